@@ -1,0 +1,368 @@
+"""One GRPO step, ours (train_grpo.py) against TRL's GRPOTrainer, on the CPU.
+
+    python bench/bench_grpo.py                      # tiny Qwen2.5-VL (hidden 256, 4 layers), 1 warm-up + 5 timed steps
+    python bench/bench_grpo.py --quick              # hidden 128, 2 layers, 16 new tokens, 1 + 2 steps (a minute or two)
+    python bench/bench_grpo.py --repeats 2 --json bench_grpo.json
+
+Both sides get the same model folder, the same shapes-VQA rows (crystal_json prompt, one image each), the
+same `format` + `accuracy` rewards, G = 8, 8 completions per step, beta = 0.04 (so both load a reference
+model), temperature 1, the same learning rate, `loss_type` dapo, one optimisation pass per generation, fp32.
+TRL (a dev-only install, requirements-dev.txt) is skipped with a message when it is not importable.
+
+Equal work: a random tiny model emits EOS now and then, so by default both sides generate exactly
+`--max_completion_length` tokens: TRL through `generation_kwargs={"min_new_tokens": N}`, ours by adding the
+EOS ids to the tokens our sampler suppresses (train_grpo.py has no min-length flag; the patch only changes
+the suppressed id list, which is applied the same way either way). `--natural_length` samples freely on
+both sides instead; the mean completion lengths are printed either way.
+
+Each framework runs in its own fresh process (one after the other, never at once), with the same torch
+and OpenMP thread count, so the peak RSS (ru_maxrss) is that framework's alone. Seconds per step leave out
+the warm-up steps; ours come from metrics.jsonl (`step_time`, `time/*`), TRL's from a TrainerCallback
+(`on_step_begin` .. `on_step_end`) with its generation, no-grad log-prob and reward calls timed by a
+subclass. The shares split a step the same way on both sides:
+  generation  sampling the completions (HF `generate`)
+  logprob     no-grad log-probs of the reference model (and the old policy when mu > 1)
+  rewards     reward functions (+ advantages)
+  backward    policy forward with grad, loss, backward, clipping and the optimizer step
+  other       the rest: dataset rows, chat template + image processor, decoding
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("generation", "logprob", "rewards", "backward")
+FRAMEWORKS = ("ours", "trl")
+
+FULL = dict(hidden_size=256, num_hidden_layers=4, max_completion_length=64, steps=5)
+QUICK = dict(hidden_size=128, num_hidden_layers=2, max_completion_length=16, steps=2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller model, 16 tokens, 2 timed steps")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first steps (default 1)")
+    p.add_argument("--hidden_size", type=int, default=None)
+    p.add_argument("--num_hidden_layers", type=int, default=None)
+    p.add_argument("--max_completion_length", type=int, default=None, help="new tokens (default 64; --quick 16)")
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--learning_rate", type=float, default=1e-6)
+    p.add_argument("--loss_type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    p.add_argument("--rows", type=int, default=64, help="shapes-VQA rows in the dataset")
+    p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads in each worker")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="turn it on in both (TRL's default is on, ours off; both off by default here)")
+    p.add_argument("--natural_length", action="store_true", help="let completions stop at EOS (unequal work)")
+    p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    p.add_argument("--repeats", type=int, default=1, help="run every framework this many times (alternating)")
+    p.add_argument("--workdir", default=None, help="where the model, data and run folders go (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--seed", type=int, default=0)
+    # internal: one framework in this process
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.batch_size % args.num_generations:
+        p.error(f"--batch_size {args.batch_size} must be a multiple of --num_generations {args.num_generations}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side: one framework, in its own process
+# ---------------------------------------------------------------------------------------------
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run_ours(spec):
+    """train_grpo.main on the spec; timings from its metrics.jsonl."""
+    import train_grpo
+
+    if spec["force_length"]:
+        # No min-length flag in train_grpo.py: suppressing EOS for the whole completion is what
+        # min_new_tokens = max_completion_length does inside HF generate.
+        suppress = train_grpo.special_token_ids_to_suppress
+        train_grpo.special_token_ids_to_suppress = lambda tok, eos_ids: sorted(set(suppress(tok, eos_ids)) | set(eos_ids))
+    marks = {}
+    save = train_grpo.save_checkpoint
+
+    def save_checkpoint(*a, **kw):  # the final checkpoint comes after the last step; note the peak before it
+        marks.setdefault("train_peak_rss_mb", peak_rss_mb())
+        return save(*a, **kw)
+
+    train_grpo.save_checkpoint = save_checkpoint
+    cpu_marks = []  # process CPU seconds at each metrics row: robust to other jobs on a shared machine
+
+    class TimedLogger(train_grpo.RunLogger):
+        def log(self, step, metrics):
+            cpu_marks.append(time.process_time())
+            super().log(step, metrics)
+
+    train_grpo.RunLogger = TimedLogger
+    cfg = train_grpo.GRPOConfig(
+        model_name_or_path=spec["model"], dataset_name=spec["data"], prompt_template="crystal_json",
+        reward_funcs=["format", "accuracy"], num_generations=spec["G"], per_device_train_batch_size=spec["batch"],
+        max_completion_length=spec["max_completion_length"], temperature=1.0, beta=spec["beta"],
+        loss_type=spec["loss_type"], learning_rate=spec["learning_rate"], num_iterations=1,
+        max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_steps=10**9, report_to="none",
+        output_dir=spec["output_dir"], seed=spec["seed"], log_completions=0, dtype="float32",
+        gradient_checkpointing=spec["gradient_checkpointing"])
+    train_grpo.main(cfg)
+    with open(os.path.join(spec["output_dir"], "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    cpu = [None] + [b - a for a, b in zip(cpu_marks, cpu_marks[1:])]  # step 1 has no mark before it
+    steps = [dict(step_time=r["step_time"], cpu_time=c, completion_length=r["completion_length"],
+                  **{k: r[f"time/{k}"] for k in PHASES}) for r, c in zip(rows, cpu)]
+    return steps, marks
+
+
+def run_trl(spec):
+    """TRL's GRPOTrainer on the spec; a callback times whole steps, a subclass times the phases."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rewards import get_reward
+    from utils.models import load_model_and_processor
+    from utils.prompts import build_messages
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        phase_times = dict.fromkeys(("generation", "logprob", "rewards", "prepare"), 0.0)
+
+        def _timed(self, phase, fn, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.phase_times[phase] += time.perf_counter() - t0
+
+        def _generate_single_turn(self, *a, **kw):
+            return self._timed("generation", super()._generate_single_turn, *a, **kw)
+
+        def _calculate_rewards(self, *a, **kw):
+            return self._timed("rewards", super()._calculate_rewards, *a, **kw)
+
+        def _get_per_token_logps_and_entropies(self, *a, **kw):
+            if torch.is_grad_enabled():  # the policy forward of the loss: part of "backward"
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+            return self._timed("logprob", super()._get_per_token_logps_and_entropies, *a, **kw)
+
+        def _prepare_inputs(self, *a, **kw):
+            return self._timed("prepare", super()._prepare_inputs, *a, **kw)
+
+    steps, marks = [], {}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            TimedGRPOTrainer.phase_times.update(dict.fromkeys(TimedGRPOTrainer.phase_times, 0.0))
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            elapsed = time.perf_counter() - self.t0
+            t = dict(TimedGRPOTrainer.phase_times)
+            # everything after the inputs are prepared: loss forward, backward, clipping, optimizer step
+            steps.append(dict(step_time=elapsed, cpu_time=time.process_time() - self.cpu0,
+                              backward=elapsed - t.pop("prepare"), **t))
+
+        def on_train_end(self, args, state, control, **kw):
+            marks["train_peak_rss_mb"] = peak_rss_mb()
+
+    model, processor = load_model_and_processor(spec["model"], dtype="float32")
+    data = load_from_disk(spec["data"])
+    # TRL's VLM format: conversational `prompt` with image placeholders, images in the `image` column.
+    data = data.map(lambda row: {"prompt": build_messages(row["question"], num_images=1, template="crystal_json")})
+    generation_kwargs = {"min_new_tokens": spec["max_completion_length"]} if spec["force_length"] else None
+    args = GRPOConfig(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"], num_generations=spec["G"],
+        max_completion_length=spec["max_completion_length"], temperature=1.0, beta=spec["beta"],
+        loss_type=spec["loss_type"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
+        num_iterations=1, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, bf16=False, seed=spec["seed"], generation_kwargs=generation_kwargs,
+        disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=spec["gradient_checkpointing"])
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=[get_reward("format"), get_reward("accuracy")], args=args,
+                               train_dataset=data, processing_class=processor, callbacks=[StepTimer()])
+    trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    if len(lengths) != len(steps):
+        raise RuntimeError(f"TRL logged {len(lengths)} completion lengths for {len(steps)} steps")
+    for s, length in zip(steps, lengths):
+        s["completion_length"] = length
+    return steps, marks
+
+
+def worker(args):
+    with open(args.spec) as f:
+        spec = json.load(f)
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    sys.path.insert(0, REPO)
+    baseline = current_rss_mb()
+    steps, marks = (run_ours if args.worker == "ours" else run_trl)(spec)
+    result = dict(framework=args.worker, steps=steps, peak_rss_mb=peak_rss_mb(), start_rss_mb=baseline, **marks,
+                  trl_imported="trl" in sys.modules)
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# driver side
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare(args, workdir):
+    """The tiny VLM folder and the shapes-VQA rows both frameworks train on."""
+    sys.path.insert(0, REPO)
+    from utils.models import make_tiny_vlm
+    from utils.synthetic import make_shapes_vqa
+
+    model = os.path.join(workdir, f"tiny-vlm-h{args.hidden_size}-l{args.num_hidden_layers}")
+    data = os.path.join(workdir, f"shapes-{args.rows}")
+    if not os.path.isdir(model):
+        make_tiny_vlm(model, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, seed=args.seed)
+    if not os.path.isdir(data):
+        make_shapes_vqa(args.rows, seed=args.seed).save_to_disk(data)
+    return model, data
+
+
+def run_worker(framework, spec, workdir, tag):
+    spec_path = os.path.join(workdir, f"spec-{tag}.json")
+    result_path = os.path.join(workdir, f"result-{tag}.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--spec", spec_path, "--result", result_path]
+    log_path = os.path.join(workdir, f"log-{tag}.txt")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"{framework} worker failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+    with open(result_path) as f:
+        result = json.load(f)
+    result["process_seconds"] = time.perf_counter() - t0
+    return result
+
+
+def summarize(result, warmup, batch):
+    """Medians over the timed steps: one step slowed by another job on the machine does not move them."""
+    timed = result["steps"][warmup:]
+    sec = statistics.median(s["step_time"] for s in timed)
+    total = sum(s["step_time"] for s in timed)
+    shares = {k: sum(s[k] for s in timed) / total for k in PHASES}
+    shares["other"] = 1.0 - sum(shares.values())
+    cpu = [s["cpu_time"] for s in timed if s.get("cpu_time") is not None]
+    return dict(framework=result["framework"], sec_per_step=sec, sec_per_step_mean=total / len(timed),
+                sec_per_step_min=min(s["step_time"] for s in timed), completions_per_sec=batch / sec,
+                cpu_sec_per_step=statistics.median(cpu) if cpu else float("nan"),
+                peak_rss_mb=result["peak_rss_mb"], train_peak_rss_mb=result.get("train_peak_rss_mb"),
+                mean_completion_length=statistics.mean(s["completion_length"] for s in timed), shares=shares,
+                step_times=[s["step_time"] for s in timed])
+
+
+def print_table(rows, title):
+    print(f"\n{title}  (s/step: median over the timed steps; CPU: process CPU seconds per step)")
+    print(f"{'framework':<10} {'s/step':>7} {'mean':>7} {'min':>7} {'CPU s':>7} {'compl/s':>8} {'peak RSS MB':>12} "
+          f"{'mean len':>9}   " + " ".join(f"{k:>10}" for k in PHASES + ("other",)))
+    for r in rows:
+        shares = " ".join(f"{100 * r['shares'][k]:>9.1f}%" for k in PHASES + ("other",))
+        print(f"{r['framework']:<10} {r['sec_per_step']:>7.3f} {r['sec_per_step_mean']:>7.3f} {r['sec_per_step_min']:>7.3f} "
+              f"{r['cpu_sec_per_step']:>7.3f} {r['completions_per_sec']:>8.2f} {r['peak_rss_mb']:>12.0f} "
+              f"{r['mean_completion_length']:>9.1f}   {shares}")
+    by = {r["framework"]: r for r in rows}
+    if "ours" not in by or "trl" not in by:
+        return {}
+    ours, trl = by["ours"], by["trl"]
+    ratios = dict(throughput_ratio=trl["sec_per_step"] / ours["sec_per_step"],
+                  throughput_ratio_min=trl["sec_per_step_min"] / ours["sec_per_step_min"],
+                  throughput_ratio_cpu=trl["cpu_sec_per_step"] / ours["cpu_sec_per_step"],
+                  rss_ratio=ours["peak_rss_mb"] / trl["peak_rss_mb"])
+    speed, mem = ratios["throughput_ratio"], ratios["rss_ratio"]
+    print(f"throughput ours / TRL = {speed:.2f}x median, {ratios['throughput_ratio_min']:.2f}x best step, "
+          f"{ratios['throughput_ratio_cpu']:.2f}x CPU time (target >= 1.2x: {'met' if speed >= 1.2 else 'NOT met'}); "
+          f"peak RSS ours / TRL = {mem:.2f} ({'no more' if mem <= 1.0 else 'MORE'} than TRL)")
+    return ratios
+
+
+def trl_available():
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(args):
+    frameworks = list(args.frameworks)
+    if "trl" in frameworks and not trl_available():
+        print("trl is not installed (pip install -r requirements-dev.txt): benchmarking ours only")
+        frameworks.remove("trl")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_grpo-")
+    os.makedirs(workdir, exist_ok=True)
+    model, data = prepare(args, workdir)
+    spec = dict(model=model, data=data, G=args.num_generations, batch=args.batch_size,
+                max_completion_length=args.max_completion_length, beta=args.beta, loss_type=args.loss_type,
+                learning_rate=args.learning_rate, warmup=args.warmup, steps=args.steps, threads=args.threads,
+                force_length=not args.natural_length, seed=args.seed,
+                gradient_checkpointing=args.gradient_checkpointing)
+    print(f"tiny Qwen2.5-VL hidden {args.hidden_size} x {args.num_hidden_layers} layers; G {args.num_generations}, "
+          f"{args.batch_size} completions/step, {args.max_completion_length} new tokens "
+          f"({'natural length' if args.natural_length else 'forced length'}), beta {args.beta}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, {args.threads} threads; workdir {workdir}")
+    runs = []
+    for repeat in range(args.repeats):
+        rows = []
+        for framework in frameworks:
+            tag = f"{framework}-{repeat}"
+            result = run_worker(framework, dict(spec, output_dir=os.path.join(workdir, f"run-{tag}")), workdir, tag)
+            row = summarize(result, args.warmup, args.batch_size)
+            row["process_seconds"] = result["process_seconds"]
+            rows.append(row)
+        ratios = print_table(rows, f"run {repeat + 1} of {args.repeats}")
+        runs.append(dict(rows=rows, **ratios))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config={k: v for k, v in vars(args).items() if k not in ("worker", "spec", "result")},
+                           runs=runs), f, indent=2)
+        print(f"wrote {args.json}")
+    return runs
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    if cli.worker:
+        worker(cli)
+    else:
+        main(cli)

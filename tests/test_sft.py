@@ -1,0 +1,275 @@
+import json
+import os
+
+import pytest
+import torch
+from datasets import DatasetDict
+from PIL import Image
+from safetensors.torch import load_file
+
+import train_sft
+from train_sft import AssistantNLL, SFTConfig, main, validate
+from utils.models import FAMILIES, load_model_and_processor, make_tiny_llm, make_tiny_vlm
+from utils.prompts import crystal_json_target
+from utils.sft_data import (IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation)
+from utils.synthetic import make_shapes_vqa
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_models")
+    return {family: make_tiny_vlm(root / family, family=family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return {family: load_model_and_processor(path) for family, path in tiny.items()}
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft_data") / "shapes"
+    DatasetDict({"train": make_shapes_vqa(16, seed=0), "test": make_shapes_vqa(8, seed=1)}).save_to_disk(str(path))
+    return str(path)
+
+
+def _image(colour):
+    return Image.new("RGB", (84, 84), colour)
+
+
+VQA_ROWS = [
+    dict(id="a", image=_image("red"), question="How many circles are there?", answer="2",
+         reference_steps=["There are circles in the top left and the middle center", "There are 2 circles"]),
+    dict(id="b", image=_image("blue"), question="What color is the square?", answer="blue",
+         reference_steps=["The square is blue"], choices=["red", "blue"]),
+]
+SHAREGPT_ROW = {"messages": [{"role": "user", "content": "<image>What is it?"},
+                             {"role": "assistant", "content": "<think>A red square.</think><answer>red</answer>"},
+                             {"role": "user", "content": "And this <image> one?"},
+                             {"role": "assistant", "content": "It is blue"}],
+                "images": [_image("red"), _image("blue")]}
+# The assistant texts each row trains on, in order.
+EXPECTED_TARGETS = [
+    [crystal_json_target(VQA_ROWS[0]["reference_steps"], "2")],
+    [crystal_json_target(VQA_ROWS[1]["reference_steps"], "blue")],
+    ["<think>A red square.</think><answer>red</answer>", "It is blue"],
+]
+
+
+def _conversations():
+    return [vqa_conversation(r) for r in VQA_ROWS] + [sharegpt_conversation(SHAREGPT_ROW)]
+
+
+def _batch(processor, max_length=None):
+    conversations = _conversations()
+    return encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
+                            sample_ids=["a", "b", "c"], max_length=max_length)
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def test_sharegpt_markers_become_image_items_in_place():
+    messages, images = sharegpt_conversation(SHAREGPT_ROW, system_prompt="Be brief.")
+    assert messages[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    assert messages[3]["content"] == [{"type": "text", "text": "And this "}, {"type": "image"},
+                                      {"type": "text", "text": " one?"}]
+    assert len(images) == 2
+
+
+def test_vqa_conversation_builds_the_target_from_steps_and_answer():
+    messages, images = vqa_conversation(VQA_ROWS[1], response_template="think_answer")
+    assert messages[0]["role"] == "system" and "<think>" in messages[0]["content"][0]["text"]
+    assert messages[1]["content"][-1]["text"] == "What color is the square?\n\nA) red\nB) blue"
+    assert messages[-1]["content"][0]["text"] == "<think>The square is blue</think><answer>blue</answer>"
+    with pytest.raises(ValueError, match="--response_template"):
+        vqa_conversation(VQA_ROWS[0], response_template="xml")
+
+
+# ---------------------------------------------------------------- assistant-only labels
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_are_exactly_the_assistant_tokens(loaded, family):
+    _, processor = loaded[family]
+    tokenizer = processor.tokenizer
+    batch = _batch(processor)
+    end_of_turn = tokenizer.eos_token_id  # <|im_end|> for ChatML, <|endoftext|> for GLM
+    for row, targets in enumerate(EXPECTED_TARGETS):
+        labels, ids = batch["labels"][row], batch["input_ids"][row]
+        expected = []
+        for text in targets:
+            expected += tokenizer(text, add_special_tokens=False).input_ids + [end_of_turn]
+        # token by token: the labelled positions hold exactly the assistant tokens (and the end of each turn)
+        assert labels[labels != IGNORE_INDEX].tolist() == expected
+        assert torch.equal(labels[labels != IGNORE_INDEX], ids[labels != IGNORE_INDEX])
+        # nothing else is labelled: no system/user text, no image token, no padding
+        image_ids = {processor.image_token_id} if hasattr(processor, "image_token_id") else set()
+        labelled_ids = set(labels[labels != IGNORE_INDEX].tolist())
+        assert not labelled_ids & image_ids
+        assert (labels[batch["attention_mask"][row] == 0] == IGNORE_INDEX).all()
+    # right padding, and image tokens were expanded (9 per 84 px image)
+    assert batch["attention_mask"][:, 0].all()
+    assert "pixel_values" in batch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_agree_with_the_templates_generation_markers(loaded, family):
+    # The tiny templates mark assistant text with {% generation %}; transformers turns that into a mask by
+    # its own route. Our prefix-diff labels (which need no markers) must agree position by position.
+    _, processor = loaded[family]
+    batch = _batch(processor)
+    conversations = _conversations()
+    for row, (messages, images) in enumerate(conversations):
+        reference = processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True, return_tensors="pt",
+                                                  processor_kwargs={"images": images})
+        keep = batch["attention_mask"][row].bool()
+        assert torch.equal(batch["input_ids"][row][keep], reference["input_ids"][0])
+        assert torch.equal((batch["labels"][row][keep] != IGNORE_INDEX).long(), reference["assistant_masks"][0].long())
+
+
+def test_text_only_llm_gets_the_same_labels(tmp_path):
+    model, tokenizer = load_model_and_processor(make_tiny_llm(tmp_path / "llm"))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yes"}]
+    batch = encode_sft_batch(tokenizer, [messages], [[]], sample_ids=["t"])
+    labels = batch["labels"][0]
+    assert labels[labels != IGNORE_INDEX].tolist() == tokenizer("yes", add_special_tokens=False).input_ids + [
+        tokenizer.eos_token_id]
+
+
+def test_max_length_cuts_only_the_last_answer(loaded):
+    _, processor = loaded["qwen2_5_vl"]
+    full = _batch(processor)
+    prompt_end = max(int((row != IGNORE_INDEX).nonzero()[0]) for row in full["labels"][:2])
+    cut = prompt_end + 3
+    conversations = _conversations()[:2]
+    batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
+                             sample_ids=["a", "b"], max_length=cut)
+    assert batch["input_ids"].shape[1] == cut
+    assert torch.equal(batch["labels"], full["labels"][:2, :cut])
+    with pytest.raises(ValueError, match=r"sample 'a'.*--max_length 20"):
+        encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
+                         sample_ids=["a", "b"], max_length=20)
+
+
+def test_conversation_without_assistant_text_is_rejected(loaded):
+    _, processor = loaded["qwen2_5_vl"]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    with pytest.raises(ValueError, match="sample 'z': no assistant text"):
+        encode_sft_batch(processor, [messages], [[]], sample_ids=["z"])
+
+
+# ---------------------------------------------------------------- loss
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_equals_transformers_loss_on_the_same_labels(loaded, family):
+    model, processor = loaded[family]
+    batch = _batch(processor)
+    n_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    ours = AssistantNLL(model)(batch) / n_tokens
+    theirs = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=batch["labels"]).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # and the gradients agree too (the fused head has its own backward)
+    grads = []
+    for loss in (ours, theirs):
+        model.zero_grad()
+        loss.backward()
+        grads.append(model.get_output_embeddings().weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+
+
+# ---------------------------------------------------------------- flags
+
+
+def test_impossible_flag_combinations_fail_before_loading():
+    with pytest.raises(ValueError, match="--hub_model_id"):
+        validate(SFTConfig(push_to_hub=True))
+    with pytest.raises(ValueError, match="--freeze_vision_tower"):
+        validate(SFTConfig(freeze_multi_modal_projector=True))
+    with pytest.raises(ValueError, match="--per_device_train_batch_size"):
+        validate(SFTConfig(per_device_train_batch_size=0))
+    with pytest.raises(ValueError, match="--prompt_template"):
+        validate(SFTConfig(prompt_template="json"))
+
+
+def test_recipes_parse():
+    from utils.args import parse_config
+
+    tiny = parse_config(SFTConfig, ["--config", train_sft.TINY_SFT_RECIPE])
+    assert tiny.output_dir == "outputs/tiny-sft" and tiny.report_to is None and tiny.eval_dataset_name
+    published = parse_config(SFTConfig, ["--config", os.path.join(os.path.dirname(train_sft.TINY_SFT_RECIPE),
+                                                                  "openvlthinker_sft.yaml")])
+    assert published.freeze_vision_tower and published.bf16 and published.dataset_format == "sharegpt"
+    assert (published.learning_rate, published.lr_scheduler_type, published.warmup_ratio,
+            published.num_train_epochs, published.max_pixels) == (5e-6, "cosine", 0.15, 1.0, 262144)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _config(tiny, shapes, out, **overrides):
+    values = dict(model_name_or_path=tiny["qwen2_5_vl"], dataset_name=shapes, per_device_train_batch_size=4,
+                  learning_rate=1e-3, lr_scheduler_type="constant", max_steps=3, save_steps=1, logging_steps=1,
+                  max_length=512, output_dir=str(out), report_to="none", seed=0)
+    values.update(overrides)
+    return SFTConfig(**values)
+
+
+def _losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [row["loss"] for row in map(json.loads, f) if "loss" in row]
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_on_a_repeated_batch_and_reports_heldout_accuracy(tiny, tmp_path, monkeypatch):
+    pushes = []
+
+    class RecordingUploader:
+        def __init__(self, repo_id, **kwargs):
+            self.repo_id = repo_id
+
+        def push(self, path, **card):
+            pushes.append((self.repo_id, os.path.basename(path), card["script"]))
+
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(train_sft, "HubUploader", RecordingUploader)
+    data = tmp_path / "four"
+    DatasetDict({"train": make_shapes_vqa(4, seed=0), "test": make_shapes_vqa(4, seed=1)}).save_to_disk(str(data))
+    out = tmp_path / "run"
+    # batch 4 of a 4-row set: every step sees the same rows
+    main(_config(tiny, str(data), out, eval_dataset_name=str(data), eval_samples=4, eval_max_new_tokens=8,
+                 push_to_hub=True, hub_model_id="me/tiny-sft"))
+    losses = _losses(out)
+    assert len(losses) == 3 and losses[2] < losses[1] < losses[0]
+    assert {"checkpoint-1", "checkpoint-2", "checkpoint-3"} <= set(os.listdir(out))
+    for name in ("config.json", "model.safetensors", "trainer_state.json", "tokenizer.json"):
+        assert os.path.isfile(out / "checkpoint-3" / name), name
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["global_step"] == 3 and 0.0 <= summary["heldout_accuracy"] <= 1.0
+    assert summary["heldout_samples"] == 4
+    assert os.path.isfile(out / "loss_curve.png")
+    assert pushes == [("me/tiny-sft", f"checkpoint-{i}", "train_sft.py") for i in (1, 2, 3)]
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tiny, shapes, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    main(_config(tiny, shapes, full))
+    main(_config(tiny, shapes, resumed, resume_from_checkpoint=str(full / "checkpoint-2")))
+    assert not os.path.exists(resumed / "checkpoint-1")  # it started at step 2
+    a = load_file(str(full / "checkpoint-3" / "model.safetensors"))
+    b = load_file(str(resumed / "checkpoint-3" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert _losses(resumed) == _losses(full)[2:]
+    state = json.loads((resumed / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["sampler"]["position"] == 12

@@ -1,0 +1,355 @@
+"""GRPO for vision-language models (and text LLMs), in one readable script.
+
+    accelerate launch train_grpo.py                                   # tiny CPU recipe
+    accelerate launch train_grpo.py --config recipes/crystal_cpr.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml train_grpo.py --config ...
+
+For each prompt q, sample G completions, score them with the reward functions, normalise the
+weighted reward within each group into advantages, and minimise the clipped surrogate (plus an
+optional k3 KL to a frozen reference). DESIGN.md section 4 has the formulas.
+"""
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import get_scheduler
+
+from kernels import group_advantages
+from rewards import get_reward
+from utils.args import config_to_dict, parse_config, save_config
+from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, save_checkpoint
+from utils.data import load_vqa
+from utils.hub import HubUploader
+from utils.launch import relaunch_multi_cpu_if_needed
+from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
+from utils.models import load_model_and_processor
+from utils.prompts import PROMPT_TEMPLATES, build_messages
+from utils.rollout import (CompletionLogProbs, completion_seeds, encode_prompts, generate_completions,
+                           prepare_reference_model, special_token_ids_to_suppress,
+                           unwrap_for_generation)
+from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
+
+
+def choice(*options, help=""):
+    return field(default=options[0], metadata={"choices": list(options), "help": help})
+
+
+@dataclass
+class GRPOConfig:
+    # model
+    model_name_or_path: str = field(default=TINY_MODEL, metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
+    dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
+    attn_implementation: Optional[str] = None
+    freeze_vision_tower: bool = False
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    max_pixels: Optional[int] = None
+    min_pixels: Optional[int] = None
+    max_anyres_num: Optional[int] = None
+    # data
+    dataset_name: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
+    dataset_split: str = "train"
+    image_column: Optional[str] = field(default="image", metadata={"help": "'none' for text-only data"})
+    question_column: str = "question"
+    answer_column: str = "answer"
+    steps_column: str = "reference_steps"
+    choices_column: Optional[str] = None
+    prompt_template: str = choice(*PROMPT_TEMPLATES)
+    system_prompt: Optional[str] = None
+    # rewards
+    reward_funcs: list[str] = field(default_factory=lambda: ["format", "accuracy"])
+    reward_weights: Optional[list[float]] = None
+    reward_kwargs: dict = field(default_factory=dict, metadata={"help": 'JSON, e.g. {"cpr": {"answer_weight": 0.6}}'})
+    # GRPO
+    num_generations: int = 8
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_prompt_length: Optional[int] = 512
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    loss_type: str = choice(*LOSS_TYPES)
+    importance_sampling_level: str = choice(*IMPORTANCE_LEVELS)
+    scale_rewards: str = choice("group", "batch", "none")
+    num_iterations: int = 1
+    use_vllm: bool = False
+    # optimisation
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
+    seed: int = 42
+    # run
+    output_dir: str = "outputs/grpo"
+    logging_steps: int = 1
+    save_steps: int = 100
+    save_total_limit: Optional[int] = None
+    resume_from_checkpoint: Optional[str] = None
+    report_to: str = "tensorboard"
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    log_completions: int = 4
+
+
+def validate(cfg, num_processes):
+    """Every flag combination that cannot work fails here, before a model is loaded."""
+    global_batch = cfg.per_device_train_batch_size * num_processes
+    if global_batch % cfg.num_generations:
+        raise ValueError(
+            f"--per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} processes = "
+            f"{global_batch} completions is not a multiple of --num_generations {cfg.num_generations}")
+    if cfg.num_generations < 2 and cfg.scale_rewards == "group":
+        raise ValueError("--num_generations 1 gives every group a zero advantage; use 2 or more")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        raise ValueError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} --reward_funcs")
+    if cfg.temperature <= 0:
+        raise ValueError("--temperature must be > 0 for GRPO sampling")
+    if cfg.push_to_hub and not cfg.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id")
+    if cfg.num_iterations > 1 and cfg.save_steps % cfg.num_iterations:
+        raise ValueError(f"--save_steps {cfg.save_steps} must be a multiple of --num_iterations {cfg.num_iterations} "
+                         "(checkpoints are taken between generation rounds)")
+
+
+def main(cfg: GRPOConfig):
+    # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
+                              project_dir=cfg.output_dir)
+    validate(cfg, accelerator.num_processes)
+    set_seed(cfg.seed)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    B, G, GA, mu = cfg.per_device_train_batch_size, cfg.num_generations, cfg.gradient_accumulation_steps, cfg.num_iterations
+    prompts_per_micro = B * world // G
+
+    # ---- data and rewards (validated before any model is loaded) ----
+    model_path, dataset_path = resolve_tiny(cfg, accelerator)
+    needs_steps = any(name in ("cpr", "reasoning", "spr") for name in cfg.reward_funcs)
+    dataset = load_vqa(dataset_path, split=cfg.dataset_split, image_column=cfg.image_column,
+                       question_column=cfg.question_column, answer_column=cfg.answer_column,
+                       steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=needs_steps)
+    unknown = set(cfg.reward_kwargs) - set(cfg.reward_funcs)
+    if unknown:
+        raise ValueError(f"--reward_kwargs names {sorted(unknown)}, which are not in --reward_funcs {cfg.reward_funcs}")
+    reward_fns = [get_reward(name, **cfg.reward_kwargs.get(name, {})) for name in cfg.reward_funcs]
+    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
+    reward_columns = [c for c in dataset.column_names if c != "image"]
+
+    # ---- model, reference, optimiser ----
+    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                                                freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
+                                                min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    if cfg.use_vllm:
+        from utils.vllm_rollout import VLLMRollout  # raises a clear error without requirements-vllm.txt
+
+    policy = CompletionLogProbs(model)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    rounds_per_epoch = math.ceil(len(dataset) / (prompts_per_micro * GA))
+    max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
+    # Stepped by hand once per optimizer step (not prepared): the schedule then does not depend on the
+    # number of processes, which keeps 1-process and N-process runs identical.
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
+                              num_training_steps=max_steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # No DataLoader is prepared, so DeepSpeed learns the micro-batch and clipping from us.
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = B
+        ds_config["gradient_clipping"] = cfg.max_grad_norm
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    ref_policy = prepare_reference_model(cfg, model_path, policy, accelerator) if cfg.beta != 0.0 else None
+    vllm = VLLMRollout(model_path, accelerator, cfg) if cfg.use_vllm else None
+
+    # ---- resume ----
+    sampler = SeededSampler(len(dataset), seed=cfg.seed)
+    global_step, round_index = 0, 0
+    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if resume_path:
+        state = load_checkpoint(accelerator, resume_path)
+        global_step, round_index = state["global_step"], state["round_index"]
+        sampler.load_state_dict(state["sampler"])
+        accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    if accelerator.is_main_process:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
+                       total_steps=max_steps, start_step=global_step)
+    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+    eos_ids = [tokenizer.eos_token_id] + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tokenizer.get_vocab() else [])
+    eos_ids = sorted(set(i for i in eos_ids if i is not None))
+    suppress_ids = special_token_ids_to_suppress(tokenizer, eos_ids)
+    train_start = time.perf_counter()
+
+    while global_step < max_steps:
+        # ---- 1. rollout: GA micro-batches of B completions per process, G per prompt across processes ----
+        round_start = time.perf_counter()
+        timings = dict.fromkeys(("generation", "rewards", "logprob", "backward"), 0.0)
+        buffer, round_stats = [], []
+        policy.eval()
+        for micro in range(GA):
+            prompt_idx = sampler.take(prompts_per_micro)
+            global_rows = [i for i in prompt_idx for _ in range(G)]
+            local = slice(rank * B, (rank + 1) * B)
+            rows = [dataset[i] for i in global_rows[local]]
+            ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
+            messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
+                                       template=cfg.prompt_template, system_prompt=cfg.system_prompt) for r in rows]
+            batch = encode_prompts(processor, messages, [images_of(r) for r in rows], sample_ids=ids,
+                                   max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+            seeds = completion_seeds(cfg.seed, round_index, range(micro * B * world + rank * B, micro * B * world + (rank + 1) * B))
+            t0 = time.perf_counter()
+            if vllm is not None:
+                completion_ids, completion_mask = vllm.generate(policy, messages, [images_of(r) for r in rows], seeds)
+            else:
+                with unwrap_for_generation(policy, accelerator) as unwrapped:
+                    completion_ids, completion_mask = generate_completions(
+                        unwrapped.model, batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
+                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=eos_ids,
+                        pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
+            timings["generation"] += time.perf_counter() - t0
+            texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
+                                           skip_special_tokens=True)
+
+            # ---- 2. rewards on this process, advantages over whole groups (gathered across processes) ----
+            t0 = time.perf_counter()
+            columns = {c: [r[c] for r in rows] for c in reward_columns}
+            local_rewards = torch.full((B, len(reward_fns)), float("nan"))
+            for j, fn in enumerate(reward_fns):
+                for k, value in enumerate(fn(texts, **columns)):
+                    if value is not None:
+                        local_rewards[k, j] = float(value)
+            all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu()
+            advantages = group_advantages(all_rewards, G, weights=reward_weights, scale=cfg.scale_rewards)[local]
+            timings["rewards"] += time.perf_counter() - t0
+
+            # ---- 3. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                old_logps = policy(batch, completion_ids, completion_mask, cfg.temperature) if mu > 1 else None
+                ref_logps = ref_policy(batch, completion_ids, completion_mask, cfg.temperature) if ref_policy else None
+            timings["logprob"] += time.perf_counter() - t0
+            buffer.append(dict(batch=batch, completion_ids=completion_ids, completion_mask=completion_mask,
+                               advantages=advantages.to(accelerator.device), old_logps=old_logps, ref_logps=ref_logps))
+            round_stats.append(dict(rewards=all_rewards, lengths=accelerator.gather(completion_mask.sum(-1)).float().cpu(),
+                                    samples=[dict(id=i, prompt=m[-1]["content"][-1]["text"], completion=t, reward=float(r))
+                                             for i, m, t, r in zip(ids, messages, texts, local_rewards.nan_to_num(0) @ reward_weights)]))
+        # DAPO normalises by the completion tokens of the whole optimizer step, on all processes.
+        step_tokens = accelerator.reduce(torch.stack([b["completion_mask"].sum() for b in buffer]).sum().float(), "sum")
+
+        # ---- 4. mu optimisation passes over this round's completions ----
+        policy.train()
+        for _ in range(mu):
+            step_loss, step_stats = 0.0, []
+            for mb in buffer:
+                t0 = time.perf_counter()
+                with accelerator.accumulate(policy):
+                    logps = policy(mb["batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature)
+                    old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
+                    loss, stats = clipped_policy_loss(
+                        logps, old, mb["advantages"], mb["completion_mask"], epsilon_low=cfg.epsilon,
+                        epsilon_high=cfg.epsilon_high, beta=cfg.beta, ref_logps=mb["ref_logps"], loss_type=cfg.loss_type,
+                        importance_sampling_level=cfg.importance_sampling_level,
+                        max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
+                        num_processes=world)
+                    # accelerate divides by GA; dapo's normaliser already spans the whole step
+                    accelerator.backward(loss * GA if cfg.loss_type == "dapo" else loss)
+                    if accelerator.sync_gradients and cfg.max_grad_norm:
+                        accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                timings["backward"] += time.perf_counter() - t0
+                step_loss += loss.detach() if cfg.loss_type == "dapo" else loss.detach() / GA
+                step_stats.append(stats)
+            scheduler.step()
+            global_step += 1
+
+            # ---- 5. log ----
+            if global_step % cfg.logging_steps == 0 or global_step == max_steps:
+                rewards = torch.cat([s["rewards"] for s in round_stats])
+                weighted = (rewards.nan_to_num(0.0) * reward_weights).sum(-1)
+                metrics = {
+                    "loss": accelerator.reduce(step_loss, "mean").item(),
+                    "reward": weighted.mean().item(),
+                    "reward_std": weighted.view(-1, G).std(-1).mean().item() if G > 1 else 0.0,
+                    "kl": accelerator.reduce(sum(s["kl"] for s in step_stats) / len(step_stats), "mean").item(),
+                    "clip_ratio": accelerator.reduce(sum(s["clip_ratio"] for s in step_stats) / len(step_stats), "mean").item(),
+                    "completion_length": torch.cat([s["lengths"] for s in round_stats]).mean().item(),
+                    "learning_rate": scheduler.get_last_lr()[0],
+                    "step_time": time.perf_counter() - round_start,
+                    **{f"time/{k}": v for k, v in timings.items()},
+                }
+                for j, name in enumerate(cfg.reward_funcs):
+                    col = rewards[:, j]
+                    metrics[f"rewards/{name}"] = col[~col.isnan()].mean().item() if (~col.isnan()).any() else float("nan")
+                logger.log(global_step, metrics)
+                logger.log_completions(global_step, [s for st in round_stats for s in st["samples"]][: cfg.log_completions])
+
+            # ---- 6. checkpoint (atomic) and push ----
+            if global_step % cfg.save_steps == 0 or global_step == max_steps:
+                state = dict(global_step=global_step, round_index=round_index + 1, sampler=sampler.state_dict())
+                path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
+                                       extra_state=state, save_total_limit=cfg.save_total_limit)
+                if uploader:
+                    uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=model_path,
+                                  script="train_grpo.py")
+            if global_step >= max_steps:
+                break
+        round_index += 1
+
+    train_runtime = time.perf_counter() - train_start
+    logger.close()
+    if accelerator.is_main_process:
+        plot_reward_curve(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png"),
+                          keys=["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs])
+        write_summary(cfg.output_dir, dict(global_step=global_step, train_runtime=train_runtime,
+                                           peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {})))
+        if uploader:
+            uploader.wait()
+    accelerator.end_training()
+    return policy
+
+
+def images_of(row):
+    """A row's images as a list (a single image, a list of images, or none)."""
+    image = row.get("image")
+    if image is None:
+        return []
+    return list(image) if isinstance(image, (list, tuple)) else [image]
+
+
+if __name__ == "__main__":
+    relaunch_multi_cpu_if_needed()
+    # With no arguments, run the tiny CPU recipe.
+    main(parse_config(GRPOConfig, sys.argv[1:] or ["--config", TINY_RECIPE]))

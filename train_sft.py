@@ -1,0 +1,312 @@
+"""Supervised fine-tuning of a VLM (or LLM) on reasoning traces, in one readable script.
+
+    accelerate launch train_sft.py                                        # tiny CPU recipe (warm start of tiny GRPO)
+    accelerate launch --config_file accelerate_configs/zero3.yaml train_sft.py --config recipes/openvlthinker_sft.yaml
+
+Loss: next-token NLL on assistant tokens only (system, user, image and padding tokens are masked, see
+utils/sft_data.py), averaged over the assistant tokens of the whole optimizer step on all processes,
+computed from the hidden states with `kernels.fused_token_logprobs` (no [tokens, vocab] logits).
+Data: CRYSTAL VQA rows (`--dataset_format crystal`: the target is built from reference_steps + answer in
+`--response_template` format) or sharegpt conversations (`--dataset_format sharegpt`, LLaMA-Factory /
+OpenVLThinker SFT files). DESIGN.md section 5.
+"""
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import get_scheduler
+
+from kernels import fused_token_logprobs
+from utils.args import config_to_dict, parse_config, save_config
+from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, save_checkpoint
+from utils.data import load_sharegpt, load_vqa
+from utils.evaluation import heldout_accuracy
+from utils.hub import HubUploader
+from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.models import freeze_vision_tower, load_model_and_processor
+from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
+from utils.rollout import CompletionLogProbs, hf_core, unwrap_for_generation
+from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
+from utils.tiny import REPO, TINY_DATASET, TINY_MODEL, resolve_tiny, shapes_dataset_path
+
+TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
+
+
+def choice(*options, help=""):
+    return field(default=options[0], metadata={"choices": list(options), "help": help})
+
+
+@dataclass
+class SFTConfig:
+    # model
+    model_name_or_path: str = field(default=TINY_MODEL, metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
+    dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
+    attn_implementation: Optional[str] = None
+    freeze_vision_tower: bool = False
+    freeze_multi_modal_projector: bool = field(default=False, metadata={"help": "also freeze the vision-to-LM projector"})
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    max_pixels: Optional[int] = None
+    min_pixels: Optional[int] = None
+    max_anyres_num: Optional[int] = None
+    # data
+    dataset_name: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
+    dataset_split: str = "train"
+    dataset_format: str = choice("crystal", "sharegpt", help="crystal: VQA rows with reference_steps; sharegpt: messages + images")
+    response_template: str = choice(*RESPONSE_TEMPLATES, help="target format built from reference_steps + answer (crystal rows)")
+    prompt_template: Optional[str] = field(default=None, metadata={"help": "system prompt template; default: the response template's"})
+    system_prompt: Optional[str] = None
+    image_column: str = "image"
+    question_column: str = "question"
+    answer_column: str = "answer"
+    steps_column: str = "reference_steps"
+    choices_column: Optional[str] = None
+    messages_column: str = "messages"
+    images_column: str = "images"
+    max_length: int = 1024
+    # optimisation
+    learning_rate: float = 2e-5
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    seed: int = 42
+    # held-out evaluation (greedy answer accuracy on CRYSTAL VQA rows)
+    eval_dataset_name: Optional[str] = field(default=None, metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
+    eval_split: str = "test"
+    eval_samples: Optional[int] = 256
+    eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only after training)"})
+    eval_batch_size: int = 64
+    eval_max_new_tokens: int = 128
+    # run
+    output_dir: str = "outputs/sft"
+    logging_steps: int = 1
+    save_steps: int = 500
+    save_total_limit: Optional[int] = None
+    resume_from_checkpoint: Optional[str] = None
+    report_to: Optional[str] = field(default="tensorboard", metadata={"help": "tensorboard, wandb, trackio, all or none"})
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+
+
+def validate(cfg):
+    """Every flag combination that cannot work fails here, before a model is loaded."""
+    if cfg.push_to_hub and not cfg.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id")
+    if cfg.freeze_multi_modal_projector and not cfg.freeze_vision_tower:
+        raise ValueError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with it)")
+    if cfg.prompt_template is not None and cfg.prompt_template not in PROMPT_TEMPLATES:
+        raise ValueError(f"--prompt_template {cfg.prompt_template!r} is not one of {list(PROMPT_TEMPLATES)}")
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "save_steps",
+                 "logging_steps", "eval_batch_size"):
+        if getattr(cfg, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
+    if cfg.eval_steps < 0:
+        raise ValueError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
+    if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
+        raise ValueError("set --max_steps or a positive --num_train_epochs")
+
+
+class AssistantNLL(CompletionLogProbs):
+    """Wraps the model so that forward returns the summed NLL of the labelled (assistant) tokens.
+
+    Everything runs inside forward, so DDP gradient hooks and ZeRO-3 gathering work (the LM head weight
+    is registered with this module by CompletionLogProbs). Only labelled positions reach the head.
+    """
+
+    def forward(self, batch):
+        core = hf_core(self.model)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = core.base_model(**inputs, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        head = core.get_output_embeddings()
+        # The hidden state at position i predicts token i + 1.
+        logps = fused_token_logprobs(hidden[:, :-1], head.weight, batch["labels"][:, 1:], bias=head.bias)
+        return -logps.sum()
+
+
+def load_train_rows(cfg, path):
+    if cfg.dataset_format == "sharegpt":
+        return load_sharegpt(path, split=cfg.dataset_split, messages_column=cfg.messages_column,
+                             images_column=cfg.images_column)
+    return load_vqa(path, split=cfg.dataset_split, image_column=cfg.image_column, question_column=cfg.question_column,
+                    answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column)
+
+
+def conversation(cfg, row):
+    if cfg.dataset_format == "sharegpt":
+        return sharegpt_conversation(row, system_prompt=cfg.system_prompt)
+    return vqa_conversation(row, response_template=cfg.response_template, prompt_template=cfg.prompt_template,
+                            system_prompt=cfg.system_prompt)
+
+
+def main(cfg: SFTConfig):
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
+                              project_dir=cfg.output_dir)
+    validate(cfg)
+    set_seed(cfg.seed)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    B, GA = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+
+    # ---- data (validated before any model is loaded) ----
+    model_path, dataset_path = resolve_tiny(cfg, accelerator)
+    dataset = load_train_rows(cfg, dataset_path)
+    eval_set = None
+    if cfg.eval_dataset_name:
+        with accelerator.main_process_first():
+            eval_path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
+        eval_set = load_vqa(eval_path, split=cfg.eval_split, image_column=cfg.image_column,
+                            question_column=cfg.question_column, answer_column=cfg.answer_column,
+                            steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=False)
+    eval_template = cfg.prompt_template or cfg.response_template
+
+    # ---- model, optimiser ----
+    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                                                freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
+                                                min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
+    if cfg.freeze_multi_modal_projector:
+        freeze_vision_tower(model, include_projector=True)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    policy = AssistantNLL(model)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(dataset) / (B * world * GA))
+    max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    # Stepped by hand once per optimizer step (not prepared), so the schedule does not depend on the world size.
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
+                              num_training_steps=max_steps)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    # ---- resume ----
+    sampler = SeededSampler(len(dataset), seed=cfg.seed)
+    global_step = 0
+    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if resume_path:
+        state = load_checkpoint(accelerator, resume_path)
+        global_step = state["global_step"]
+        sampler.load_state_dict(state["sampler"])
+        accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    if accelerator.is_main_process:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
+                       total_steps=max_steps, start_step=global_step)
+    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+
+    def evaluate():
+        with unwrap_for_generation(policy, accelerator) as unwrapped:
+            return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=eval_template,
+                                    system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
+                                    max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
+                                    accelerator=accelerator)
+
+    train_start = time.perf_counter()
+    heldout = None
+    while global_step < max_steps:
+        step_start = time.perf_counter()
+        # ---- 1. this step's GA micro-batches; every process draws the same indices and keeps its slice ----
+        micro_batches = []
+        for _ in range(GA):
+            indices = sampler.take(B * world)[rank * B : (rank + 1) * B]
+            rows = [dataset[i] for i in indices]
+            conversations = [conversation(cfg, r) for r in rows]
+            ids = [str(r.get("id", i)) for r, i in zip(rows, indices)]
+            batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
+                                     sample_ids=ids, max_length=cfg.max_length)
+            micro_batches.append(batch.to(accelerator.device))
+        # The loss is a mean over the assistant tokens of the whole step, on all processes.
+        local_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro_batches)
+        step_tokens = accelerator.reduce(local_tokens.float(), "sum").clamp(min=1.0)
+
+        # ---- 2. forward/backward, one optimizer step ----
+        policy.train()
+        step_loss, grad_norm = 0.0, None
+        for batch in micro_batches:
+            with accelerator.accumulate(policy):
+                # DDP averages gradients over processes, so scale by the world size; accelerate divides by GA.
+                loss = policy(batch) / step_tokens * world
+                accelerator.backward(loss * GA)
+                if accelerator.sync_gradients and cfg.max_grad_norm:
+                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            step_loss += loss.detach() / world
+        scheduler.step()
+        global_step += 1
+
+        # ---- 3. held-out accuracy, log ----
+        metrics = {}
+        if eval_set is not None and cfg.eval_steps and global_step % cfg.eval_steps == 0 and global_step < max_steps:
+            heldout = evaluate()
+            metrics.update({f"heldout_{k}": v for k, v in heldout.items()})
+        if global_step % cfg.logging_steps == 0 or global_step == max_steps or metrics:
+            metrics.update({
+                "loss": accelerator.reduce(step_loss, "sum").item(),
+                "learning_rate": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "tokens": step_tokens.item(),
+                "step_time": time.perf_counter() - step_start,
+            })
+            logger.log(global_step, metrics)
+
+        # ---- 4. checkpoint (atomic) and push ----
+        if global_step % cfg.save_steps == 0 or global_step == max_steps:
+            state = dict(global_step=global_step, sampler=sampler.state_dict())
+            path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
+                                   extra_state=state, save_total_limit=cfg.save_total_limit)
+            if uploader:
+                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=model_path,
+                              script="train_sft.py")
+
+    train_runtime = time.perf_counter() - train_start
+    summary = dict(global_step=global_step, train_runtime=train_runtime, peak_memory_mb=peak_memory_mb(),
+                   **(logger.last_metrics or {}))
+    if eval_set is not None:
+        heldout = evaluate()
+        logger.log(global_step, {f"heldout_{k}": v for k, v in heldout.items()})
+        summary.update({f"heldout_{k}": v for k, v in heldout.items()})
+        accelerator.print(f"held-out accuracy {heldout['accuracy']:.3f} ({heldout['samples']} questions, "
+                          f"format {heldout['format']:.3f})")
+    logger.close()
+    if accelerator.is_main_process:
+        metrics_file = os.path.join(cfg.output_dir, "metrics.jsonl")
+        plot_reward_curve(metrics_file, os.path.join(cfg.output_dir, "loss_curve.png"), keys=["loss"])
+        if eval_set is not None:
+            plot_reward_curve(metrics_file, os.path.join(cfg.output_dir, "heldout_curve.png"),
+                              keys=["heldout_accuracy"], smoothing=0.0)
+        write_summary(cfg.output_dir, summary)
+        if uploader:
+            uploader.wait()
+    accelerator.end_training()
+    return policy
+
+
+if __name__ == "__main__":
+    # With no arguments, run the tiny CPU recipe.
+    main(parse_config(SFTConfig, sys.argv[1:] or ["--config", TINY_SFT_RECIPE]))

@@ -1,0 +1,44 @@
+"""Make `accelerate launch --cpu --num_processes N script.py` start N processes.
+
+For `--cpu`, accelerate's simple launcher starts one process and expects mpirun to fan it out; without
+an MPI hostfile it silently runs a single process with world size 1. The launcher does leave its
+traces (ACCELERATE_USE_CPU, MASTER_ADDR, no RANK), and its own command line names N, so a train
+script can re-exec itself under torch.distributed.run with N workers that form a gloo group.
+"""
+
+import os
+import sys
+
+
+def _parent_num_processes():
+    """N from the parent `accelerate launch ... --num_processes N` command line, or None."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+    if not any(a.endswith("accelerate") for a in argv) or "launch" not in argv:
+        return None
+    for i, arg in enumerate(argv):
+        if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith(("--num_processes=", "--num-processes=")):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def relaunch_multi_cpu_if_needed():
+    """Re-exec under torch.distributed.run when accelerate asked for N > 1 CPU processes but started one."""
+    env = os.environ
+    launched_single = (env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_ADDR" in env
+                       and "RANK" not in env and "PMI_SIZE" not in env and "OMPI_COMM_WORLD_SIZE" not in env)
+    if not launched_single:
+        return
+    n = _parent_num_processes()
+    if not n or n < 2:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+           f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', '29500')}",
+           sys.argv[0], *sys.argv[1:]]
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)

@@ -1,0 +1,266 @@
+"""Load any HF VLM or LLM with its processor, freeze a vision tower, load a flow-matching generator.
+
+The tiny models the CPU recipes and the tests train are built in `utils.tiny_models` and re-exported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from utils.tiny_models import (  # noqa: F401  (re-exported)
+    FAMILIES,
+    make_tiny_flow_model,
+    make_tiny_llm,
+    make_tiny_tokenizer,
+    make_tiny_vlm,
+    tokenizer_corpus,
+)
+
+__all__ = [
+    "FAMILIES", "ModelLoadError", "freeze_vision_tower", "is_vision_model", "load_flow_model",
+    "load_model_and_processor", "make_tiny_flow_model", "make_tiny_llm", "make_tiny_tokenizer", "make_tiny_vlm",
+    "resolve_dtype", "tokenizer_corpus",
+]
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Attribute names under which transformers' VLMs keep their vision encoder, and the names of the
+# projector that maps vision features into the LM (kept trainable by default, as LLaMA-Factory does).
+VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+PROJECTOR_MODULE_NAMES = ("merger", "multi_modal_projector", "mm_projector", "connector")
+
+
+class ModelLoadError(OSError):
+    """A model path that is neither a usable local folder nor a reachable hub repository."""
+
+
+def resolve_dtype(dtype):
+    """'auto' | 'float32' | 'bfloat16' | 'float16' | torch.dtype | None -> what from_pretrained takes."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype or "auto"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown value {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _looks_like_local_path(name: str) -> bool:
+    # A hub id is "name" or "owner/name"; anything else can only be a folder on this machine.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _load_config(name_or_path: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise ModelLoadError(f"model folder {name_or_path!r} has no config.json; is it a saved HF model?")
+    elif os.path.exists(name_or_path):
+        raise ModelLoadError(f"model path {name_or_path!r} is a file; expected a model folder or a hub name")
+    elif _looks_like_local_path(name_or_path):
+        raise ModelLoadError(f"model path {name_or_path!r} does not exist")
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:  # hub errors (offline, 404, bad repo id) are OSError/ValueError
+        reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        if os.path.isdir(name_or_path):
+            raise ModelLoadError(f"cannot read the model config in folder {name_or_path!r} ({reason})") from err
+        raise ModelLoadError(
+            f"cannot load model {name_or_path!r}: it is not a local folder and could not be fetched from the "
+            f"Hugging Face Hub ({reason})"
+        ) from err
+
+
+def _is_image_text_to_text(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
+        getattr(config, "vision_config", None) is not None
+    )
+
+
+def load_model_and_processor(
+    name_or_path,
+    *,
+    dtype="auto",
+    attn_implementation=None,
+    freeze_vision_tower=False,
+    max_pixels=None,
+    min_pixels=None,
+    max_anyres_num=None,
+    trust_remote_code=False,
+):
+    """Load a VLM (AutoModelForImageTextToText + AutoProcessor) or an LLM (AutoModelForCausalLM + tokenizer).
+
+    dtype: "auto" | "float32" | "bfloat16" | "float16" (or a torch.dtype).
+    attn_implementation: passed through to from_pretrained ("sdpa", "eager", "flash_attention_2", ...).
+    freeze_vision_tower: freeze the vision encoder (see `freeze_vision_tower`).
+    min_pixels / max_pixels: the pixel budget of Qwen-style image processors (smart_resize rounds
+        height and width to multiples of patch*merge within it; GLM-4V counts its 2 frames per image).
+    max_anyres_num: maximum number of image tiles of InternVL-style (crop-to-patches) image processors.
+    Returns (model, processor); the processor is the tokenizer for a text-only model. Callers set
+    padding_side themselves (left for generation).
+    """
+    name_or_path = os.fspath(name_or_path)
+    config = _load_config(name_or_path, trust_remote_code)
+    kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if _is_image_text_to_text(config):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        _configure_image_processor(processor, name_or_path, min_pixels, max_pixels, max_anyres_num)
+        tokenizer = processor.tokenizer
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        for flag, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels),
+                            ("max_anyres_num", max_anyres_num)):
+            if value is not None:
+                raise ValueError(f"--{flag} is set but {name_or_path!r} is a text-only model")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        processor = tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:  # batched generation needs a pad token
+        tokenizer.pad_token = tokenizer.eos_token
+    if freeze_vision_tower:
+        _freeze_vision_tower(model)  # the flag shadows the function's name here
+    return model, processor
+
+
+def _configure_image_processor(processor, name, min_pixels, max_pixels, max_anyres_num):
+    image_processor = getattr(processor, "image_processor", None)
+    kind = type(image_processor).__name__
+    if min_pixels is not None or max_pixels is not None:
+        size = dict(getattr(image_processor, "size", None) or {})
+        if size.get("longest_edge") is None or size.get("shortest_edge") is None:
+            raise ValueError(f"--min_pixels/--max_pixels: the image processor of {name!r} ({kind}) has no pixel "
+                             "budget (Qwen-style shortest_edge/longest_edge)")
+        if min_pixels is not None:
+            size["shortest_edge"] = int(min_pixels)
+        if max_pixels is not None:
+            size["longest_edge"] = int(max_pixels)
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise ValueError(f"--min_pixels ({size['shortest_edge']}) is larger than --max_pixels "
+                             f"({size['longest_edge']})")
+        old = image_processor.size
+        image_processor.size = size if isinstance(old, dict) else type(old)(**size)  # v5 keeps a SizeDict
+        for attr in ("min_pixels", "max_pixels"):  # older processors read these attributes instead
+            if hasattr(image_processor, attr):
+                setattr(image_processor, attr, size["shortest_edge" if attr == "min_pixels" else "longest_edge"])
+    if max_anyres_num is not None:
+        if not hasattr(image_processor, "max_patches"):
+            raise ValueError(f"--max_anyres_num: the image processor of {name!r} ({kind}) does not tile images")
+        if int(max_anyres_num) < 1:
+            raise ValueError(f"--max_anyres_num must be >= 1, got {max_anyres_num}")
+        image_processor.max_patches = int(max_anyres_num)
+        image_processor.crop_to_patches = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Vision tower
+# --------------------------------------------------------------------------------------------------
+
+
+def _unwrap(model):
+    # DDP / DeepSpeed engines keep the model in .module; peft models expose get_base_model().
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def is_vision_model(model) -> bool:
+    """True for a model that takes images (it has a vision config or a vision encoder module)."""
+    model = _unwrap(model)
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        return True
+    return bool(_vision_modules(model))
+
+
+def _vision_modules(model):
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_MODULE_NAMES and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    return found
+
+
+def _numel(param) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 keeps only a shard locally
+
+
+def freeze_vision_tower(model, *, include_projector: bool = False) -> int:
+    """Set requires_grad=False on the vision encoder; return the number of parameters (elements) frozen.
+
+    Works for Qwen2.5-VL / GLM-4V (`visual`), InternVL / LLaVA-style (`vision_tower`), and models
+    wrapped by peft, DDP or DeepSpeed. The projector into the LM (`visual.merger`,
+    `multi_modal_projector`) stays trainable unless include_projector=True.
+    """
+    base = _unwrap(model)
+    towers = _vision_modules(base)
+    if not towers:
+        raise ValueError(f"freeze_vision_tower: no vision encoder ({'/'.join(VISION_MODULE_NAMES)}) found in "
+                         f"{type(base).__name__}")
+    frozen = 0
+    for _, tower in towers:
+        for name, param in tower.named_parameters():
+            if not include_projector and set(name.split(".")) & set(PROJECTOR_MODULE_NAMES):
+                continue
+            if param.requires_grad:
+                param.requires_grad_(False)
+                frozen += _numel(param)
+    if include_projector:
+        for name, module in base.named_modules():
+            if name.rsplit(".", 1)[-1] in PROJECTOR_MODULE_NAMES:
+                for param in module.parameters():
+                    if param.requires_grad:
+                        param.requires_grad_(False)
+                        frozen += _numel(param)
+    return frozen
+
+
+_freeze_vision_tower = freeze_vision_tower
+
+
+# --------------------------------------------------------------------------------------------------
+# Flow-matching generator
+# --------------------------------------------------------------------------------------------------
+
+
+def load_flow_model(path, *, dtype="float32") -> dict:
+    """Load a diffusers flow-matching folder component-wise -> dict(transformer, vae, scheduler).
+
+    The folder needs transformer/, vae/ and scheduler/ subfolders (as `make_tiny_flow_model` writes
+    them, or an SD3 checkpoint); text encoders are not loaded (Mix-GRPO conditions on the VLM).
+    To get a full pipeline instead: `StableDiffusion3Pipeline.from_pretrained(path, text_encoder=None,
+    text_encoder_2=None, text_encoder_3=None, tokenizer=None, tokenizer_2=None, tokenizer_3=None)`.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"flow model folder {path!r} does not exist")
+    missing = [sub for sub in ("transformer", "vae", "scheduler") if not os.path.isdir(os.path.join(path, sub))]
+    if missing:
+        raise ModelLoadError(f"flow model folder {path!r} lacks the subfolder(s) {missing}")
+    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = torch.float32 if torch_dtype == "auto" else torch_dtype
+    classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
+    index_path = os.path.join(path, "model_index.json")
+    if os.path.isfile(index_path):  # honour the classes the folder declares (e.g. a Flux transformer)
+        import diffusers
+
+        with open(index_path) as f:
+            index = json.load(f)
+        for name in classes:
+            entry = index.get(name)
+            if entry and entry[0] == "diffusers" and isinstance(getattr(diffusers, entry[1], None), type):
+                classes[name] = getattr(diffusers, entry[1])
+    out = {name: cls.from_pretrained(path, subfolder=name, torch_dtype=torch_dtype) for name, cls in classes.items()}
+    out["scheduler"] = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+    return out

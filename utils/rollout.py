@@ -1,0 +1,293 @@
+"""Rollouts shared by the RL scripts: prompt encoding, reproducible sampling with HF `generate`,
+and per-token log-probs of completions through the fused LM-head kernel.
+
+Sampling is done with the Gumbel-max trick on counter-based noise: the noise for completion `k`
+at position `t` depends only on (seed, k, t, token), so a completion is the same whether it was
+generated alone, in a batch of 64, on one process or on eight. That makes runs reproducible
+across world sizes and makes resume exact without restoring any generator state.
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from kernels import fused_token_logprobs
+
+_MASK63 = (1 << 63) - 1
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB as int64
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+
+
+def _splitmix64(x):
+    """SplitMix64 finaliser on int64 tensors (wrapping arithmetic, logical shifts)."""
+    x = x ^ ((x & _MASK63) >> 30) ^ ((x < 0).long() << 33)
+    x = x * _MIX1
+    x = x ^ ((x & _MASK63) >> 27) ^ ((x < 0).long() << 36)
+    x = x * _MIX2
+    x = x ^ ((x & _MASK63) >> 31) ^ ((x < 0).long() << 32)
+    return x
+
+
+def counter_uniform(row_seeds, step, vocab_size):
+    """Uniform(0, 1) noise of shape [B, V] that depends only on (row seed, step, token id)."""
+    device = row_seeds.device
+    base = _splitmix64(row_seeds.long() * _GOLDEN + step)
+    tokens = torch.arange(vocab_size, device=device, dtype=torch.long)
+    bits = _splitmix64(base[:, None] + tokens[None, :] * _GOLDEN)
+    mantissa = (bits & _MASK63) >> 10  # 53 random bits
+    return (mantissa.double() + 0.5) / float(1 << 53)
+
+
+def completion_seeds(seed, round_index, global_indices):
+    """One int64 seed per completion, from the run seed, the generation round and its global index."""
+    idx = torch.as_tensor(global_indices, dtype=torch.long)
+    # Stay in int64 tensors throughout: Python ints would not wrap around like the hash needs.
+    round_term = torch.full_like(idx, int(round_index)) * _GOLDEN
+    return _splitmix64(_splitmix64(torch.full_like(idx, int(seed)) + round_term) + idx)
+
+
+class GumbelSampler(LogitsProcessor):
+    """Turns greedy decoding into sampling from softmax(logits / T) (after optional top-k/top-p).
+
+    argmax(log p + Gumbel noise) is an exact sample from p; the noise comes from `counter_uniform`.
+    """
+
+    def __init__(self, row_seeds, prompt_length, temperature=1.0, top_k=None, top_p=None):
+        self.row_seeds = row_seeds
+        self.prompt_length = prompt_length
+        self.temperature = temperature
+        self.warpers = []
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=int(top_k)))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=float(top_p)))
+
+    def __call__(self, input_ids, scores):
+        scores = scores.float()
+        if self.temperature <= 0:  # greedy
+            return scores
+        scores = scores / self.temperature
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        step = input_ids.shape[1] - self.prompt_length
+        u = counter_uniform(self.row_seeds.to(scores.device), step, scores.shape[-1])
+        gumbel = -torch.log(-torch.log(u)).to(scores.dtype)
+        return scores + gumbel
+
+
+def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length=None):
+    """Chat-template and tokenize a batch of prompts (left padding), images included.
+
+    `images` is a list (one per sample) of lists of PIL images, possibly empty. Errors name the
+    sample id: a prompt over `max_prompt_length` tokens, or images that do not match the image
+    placeholders, is never silently truncated or dropped.
+    """
+    tokenizer = getattr(processor, "tokenizer", processor)
+    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    has_images = any(len(imgs) for imgs in images)
+    kwargs = dict(text=texts, return_tensors="pt", padding=True)
+    if has_images:
+        if tokenizer is processor:
+            raise ValueError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
+        kwargs["images"] = [list(imgs) for imgs in images]
+    previous_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        batch = processor(**kwargs)
+    except (ValueError, IndexError, RuntimeError) as err:
+        # Find the offending sample so the user knows which row to fix.
+        for sid, text, imgs in zip(sample_ids, texts, images):
+            try:
+                single = dict(text=[text], return_tensors="pt")
+                if imgs:
+                    single["images"] = [list(imgs)]
+                processor(**single)
+            except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
+                raise ValueError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
+        raise
+    finally:
+        tokenizer.padding_side = previous_side
+    if max_prompt_length:
+        lengths = batch["attention_mask"].sum(-1)
+        for sid, length in zip(sample_ids, lengths.tolist()):
+            if length > max_prompt_length:
+                raise ValueError(
+                    f"sample {sid!r}: prompt is {length} tokens (images included), over "
+                    f"--max_prompt_length {max_prompt_length}; raise the flag or lower --max_pixels"
+                )
+    return batch
+
+
+@contextlib.contextmanager
+def zero3_gathered(engine):
+    """Gather every ZeRO-3 shard of a DeepSpeed engine once, with the per-module hooks off.
+
+    Under ZeRO-3 each forward would otherwise all-gather every layer again for every new token;
+    gathering once makes generation as fast as on an unsharded model (at the memory of one full copy).
+    """
+    import deepspeed
+
+    opt = engine.optimizer
+    offload = opt.parameter_offload if hasattr(opt, "parameter_offload") else opt
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield engine.module
+        finally:
+            offload._register_deepspeed_module(offload.module)
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(model, accelerator):
+    """The plain module behind DDP/DeepSpeed wrappers, with ZeRO-3 shards gathered while it is used."""
+    if accelerator.distributed_type.name == "DEEPSPEED" and model.zero_optimization_stage() == 3:
+        with zero3_gathered(model) as module:
+            yield module
+    else:
+        yield accelerator.unwrap_model(model)
+
+
+@torch.no_grad()
+def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature, top_k=None, top_p=None,
+                         eos_token_id, pad_token_id, suppress_token_ids=()):
+    """Sample one completion per row; returns (completion_ids [B, L], completion_mask [B, L]).
+
+    The mask covers tokens up to and including the first EOS; rows are padded with pad_token_id.
+    `suppress_token_ids` (image placeholders, role markers) are never sampled: an image token inside
+    a completion would not match any image features when the completion is scored.
+    """
+    prompt_length = batch["input_ids"].shape[1]
+    sampler = GumbelSampler(row_seeds, prompt_length, temperature=temperature, top_k=top_k, top_p=top_p)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, temperature=None, top_k=None, top_p=None,
+        suppress_tokens=list(suppress_token_ids) or None,
+    )
+    out = model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+    completion = out[:, prompt_length:]
+    return completion, completion_mask(completion, eos_token_id)
+
+
+def special_token_ids_to_suppress(tokenizer, eos_ids):
+    """Every special/added control token except EOS: placeholders and role markers a policy must not emit."""
+    keep = set(eos_ids) | {tokenizer.pad_token_id}
+    specials = set(tokenizer.all_special_ids)
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if added.special:
+            specials.add(token_id)
+    return sorted(specials - keep)
+
+
+def completion_mask(completion_ids, eos_token_id):
+    """1 for tokens up to and including the first EOS of each row, 0 after it."""
+    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= completion_ids == e
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).long()
+
+
+def hf_core(model):
+    """The HF model behind PEFT/DDP wrappers (LoRA layers stay injected in it)."""
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+class CompletionLogProbs(nn.Module):
+    """Wraps a causal LM / VLM so that forward returns per-token log-probs of the completion.
+
+    Only the completion positions go through the LM head, via `kernels.fused_token_logprobs`: the
+    [tokens, vocab] logits never exist. Wrapping (rather than reaching into the model from outside)
+    keeps DDP gradient hooks and ZeRO-3 parameter gathering working, since everything runs in forward.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        head = hf_core(model).get_output_embeddings()
+        self._zero3_register(head)
+
+    def _zero3_register(self, head):
+        # Under ZeRO-3 a weight is only gathered while its own module runs; the head's forward never
+        # runs here, so register its weight as used by this module's forward.
+        if hasattr(head.weight, "ds_id"):
+            from deepspeed.zero import register_external_parameter
+
+            register_external_parameter(self, head.weight)
+            if head.bias is not None:
+                register_external_parameter(self, head.bias)
+
+    @property
+    def config(self):
+        return hf_core(self.model).config
+
+    def forward(self, prompt_inputs, completion_ids, completion_mask, temperature=1.0, return_entropy=False):
+        core = hf_core(self.model)
+        input_ids = torch.cat([prompt_inputs["input_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_inputs["attention_mask"], completion_mask.to(prompt_inputs["attention_mask"])], dim=1)
+        extra = {}
+        for key, value in prompt_inputs.items():
+            if key in ("input_ids", "attention_mask"):
+                continue
+            if torch.is_tensor(value) and value.dim() == 2 and value.shape == prompt_inputs["input_ids"].shape:
+                # Per-token side inputs (mm_token_type_ids, token_type_ids): completion tokens are text (0).
+                value = torch.cat([value, value.new_zeros(completion_ids.shape)], dim=1)
+            extra[key] = value
+        hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+        prompt_length = prompt_inputs["input_ids"].shape[1]
+        # The hidden state at position i predicts token i + 1.
+        hidden = hidden[:, prompt_length - 1 : -1, :]
+        labels = completion_ids.masked_fill(completion_mask == 0, -100)
+        head = core.get_output_embeddings()
+        return fused_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
+                                    return_entropy=return_entropy)
+
+
+class AdapterDisabledReference(nn.Module):
+    """The reference policy of a LoRA run: the same model with its adapters switched off (no copy)."""
+
+    def __init__(self, policy, accelerator):
+        super().__init__()
+        self._policy = [policy]  # a list so the policy is not registered (and not saved) twice
+        self._accelerator = accelerator
+
+    def forward(self, *args, **kwargs):
+        policy = self._policy[0]
+        with self._accelerator.unwrap_model(policy).model.disable_adapter():
+            return policy(*args, **kwargs)
+
+
+def prepare_reference_model(cfg, model_path, policy, accelerator):
+    """A frozen copy of the initial policy for the KL term (only built when beta != 0).
+
+    With LoRA the base weights are the reference, so adapters are disabled instead of loading a copy.
+    Under DeepSpeed the copy is sharded like the policy (ZeRO-3 inference engine).
+    """
+    from utils.models import load_model_and_processor
+
+    if cfg.use_peft:
+        return AdapterDisabledReference(policy, accelerator)
+    ref, _ = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                                      max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
+                                      max_anyres_num=cfg.max_anyres_num)
+    ref.requires_grad_(False)
+    ref = CompletionLogProbs(ref).eval()
+    if accelerator.distributed_type.name == "DEEPSPEED":
+        import deepspeed
+
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage if stage == 3 else 0},
+                  "bf16": {"enabled": bool(ds.get("bf16", {}).get("enabled", False))}}
+        engine, *_ = deepspeed.initialize(model=ref, config=config)
+        return engine.eval()
+    return ref.to(accelerator.device)

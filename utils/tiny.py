@@ -1,0 +1,63 @@
+"""The tiny built-in recipe: a from-scratch tiny VLM and the synthetic shapes data, built on first
+use and cached under outputs/tiny-cache/ (DESIGN.md section 8 says what such a model can learn).
+
+`--model_name_or_path tiny` and `--dataset_name synthetic:shapes` resolve here; anything else is
+passed through untouched.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = "tiny"
+TINY_DATASET = "synthetic:shapes"
+TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
+CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-cache"))
+
+# Train and held-out splits come from different seeds, so no held-out image is seen in training.
+SHAPES_SPLITS = {"train": dict(n=4000, seed=0), "test": dict(n=256, seed=1)}
+TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, vision_depth=2, image_size=84, seed=0)
+
+
+def _cached(name, spec, build):
+    """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename)."""
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    path = os.path.join(CACHE_DIR, f"{name}-{key}")
+    if os.path.isdir(path):
+        return path
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    build(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def tiny_vlm_path():
+    from utils.models import make_tiny_vlm
+
+    return _cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
+
+
+def shapes_dataset_path():
+    from datasets import DatasetDict
+
+    from utils.synthetic import make_shapes_vqa
+
+    def build(out):
+        DatasetDict({split: make_shapes_vqa(**spec) for split, spec in SHAPES_SPLITS.items()}).save_to_disk(out)
+
+    return _cached("shapes", SHAPES_SPLITS, build)
+
+
+def resolve_tiny(cfg, accelerator):
+    """(model path, dataset path) for a config, building the tiny pieces on the main process first."""
+    with accelerator.main_process_first():
+        model = tiny_vlm_path() if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path
+        data = shapes_dataset_path() if cfg.dataset_name == TINY_DATASET else cfg.dataset_name
+    return model, data
