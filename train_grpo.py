@@ -36,6 +36,7 @@ from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.rollout import (CompletionLogProbs, completion_seeds, encode_prompts, generate_completions,
                            prepare_reference_model, special_token_ids_to_suppress,
                            unwrap_for_generation)
+from utils.vllm_rollout import VLLMRollout, require_vllm
 from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 
 
@@ -125,6 +126,8 @@ def validate(cfg, num_processes):
         raise ValueError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} --reward_funcs")
     if cfg.temperature <= 0:
         raise ValueError("--temperature must be > 0 for GRPO sampling")
+    if cfg.use_vllm:
+        require_vllm()
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ValueError("--push_to_hub needs --hub_model_id")
     if cfg.num_iterations > 1 and cfg.save_steps % cfg.num_iterations:
@@ -170,8 +173,6 @@ def main(cfg: GRPOConfig):
         targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
-    if cfg.use_vllm:
-        from utils.vllm_rollout import VLLMRollout  # raises a clear error without requirements-vllm.txt
 
     policy = CompletionLogProbs(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
@@ -190,7 +191,7 @@ def main(cfg: GRPOConfig):
     policy, optimizer = accelerator.prepare(policy, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     ref_policy = prepare_reference_model(cfg, model_path, policy, accelerator) if cfg.beta != 0.0 else None
-    vllm = VLLMRollout(model_path, accelerator, cfg) if cfg.use_vllm else None
+    vllm = VLLMRollout(model_path, accelerator, cfg) if cfg.use_vllm else None  # clear error without vLLM
 
     # ---- resume ----
     sampler = SeededSampler(len(dataset), seed=cfg.seed)
@@ -231,7 +232,8 @@ def main(cfg: GRPOConfig):
             seeds = completion_seeds(cfg.seed, round_index, range(micro * B * world + rank * B, micro * B * world + (rank + 1) * B))
             t0 = time.perf_counter()
             if vllm is not None:
-                completion_ids, completion_mask = vllm.generate(policy, messages, [images_of(r) for r in rows], seeds)
+                completion_ids, completion_mask = vllm.generate(policy, processor, messages, [images_of(r) for r in rows],
+                                                                seeds, step=global_step)
             else:
                 with unwrap_for_generation(policy, accelerator) as unwrapped:
                     completion_ids, completion_mask = generate_completions(
@@ -245,9 +247,10 @@ def main(cfg: GRPOConfig):
             # ---- 2. rewards on this process, advantages over whole groups (gathered across processes) ----
             t0 = time.perf_counter()
             columns = {c: [r[c] for r in rows] for c in reward_columns}
+            token_ids = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
             local_rewards = torch.full((B, len(reward_fns)), float("nan"))
             for j, fn in enumerate(reward_fns):
-                for k, value in enumerate(fn(texts, **columns)):
+                for k, value in enumerate(fn(texts, completion_ids=token_ids, **columns)):
                     if value is not None:
                         local_rewards[k, j] = float(value)
             all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu()

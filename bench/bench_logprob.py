@@ -1,7 +1,7 @@
 """Token log-prob from the LM head, forward + backward: naive vs TRL's chunked kernel vs ours.
 
     python bench/bench_logprob.py                  # CPU: N = 2048, 4096; H = 1024; V = 151936; fp32
-    python bench/bench_logprob.py --quick          # small shapes, a minute
+    python bench/bench_logprob.py --quick          # small shapes, a few minutes
     python bench/bench_logprob.py --device cuda --dtype bf16 --tokens 4096 16384 32768 --roofline
 
 Methods: naive = full logits -> log_softmax -> gather; trl = trl.kernels.ChunkedLogProbFunction
@@ -215,7 +215,7 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=["naive", "trl", "ours"], choices=["naive", "trl", "ours"])
     parser.add_argument("--heads", nargs="+", default=["trainable", "frozen"], choices=["trainable", "frozen"])
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per configuration (best kept)")
-    parser.add_argument("--quick", action="store_true", help="N = 256, 512 and V = 32768: about a minute on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="N = 256, 512 and V = 32768: a few minutes on 2 shared cores")
     parser.add_argument("--clock", choices=["cpu", "wall"], default=None,
                         help="time the ratios use; default cpu (process CPU seconds, all threads) on the CPU, since "
                              "other processes sharing the machine distort wall time, and wall on CUDA")

@@ -440,7 +440,10 @@ def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, i
                 _addmm_fp32(gw, q.t(), h_w[r0:r1], alpha=-1.0, beta=0.0 if first else 1.0)
             if need_b:
                 gb_tile = torch.mv(q.t().float(), row_scale[r0:r1])
-                gb.copy_(-gb_tile) if first else gb.sub_(gb_tile)
+                if first:
+                    gb.copy_(gb_tile).neg_()
+                else:
+                    gb.sub_(gb_tile)
         if need_w and not direct_w:
             grad_w[v0:v1] = gw
 

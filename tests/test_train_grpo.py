@@ -183,3 +183,73 @@ def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path):
     for step in range(3, 7):
         for key in ("reward", "loss", "completion_length"):
             assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def multi_image_rows(tmp_path, question_suffix=""):
+    from PIL import Image
+
+    rows = []
+    for i in range(4):
+        paths = []
+        for j in range(1 + i % 2):  # 1 or 2 images per sample
+            path = tmp_path / f"img{i}_{j}.png"
+            Image.new("RGB", (84, 84), (255 * (j % 2), 0, 255)).save(path)
+            paths.append(path.name)
+        rows.append({"id": f"multi-{i}", "image": paths, "question": f"How many images?{question_suffix}",
+                     "answer": str(len(paths))})
+    data = tmp_path / "multi.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(data)
+
+
+@pytest.mark.slow
+def test_several_images_per_sample(assets, tmp_path):
+    data = multi_image_rows(tmp_path)
+    run(config(assets, tmp_path / "out", dataset_name=data, max_steps=1, per_device_train_batch_size=8,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    assert read_jsonl(tmp_path / "out" / "metrics.jsonl")[0]["step"] == 1
+
+
+@pytest.mark.slow
+def test_image_token_mismatch_names_the_sample(assets, tmp_path):
+    # A literal image placeholder in the question makes the tokens outnumber the images.
+    data = multi_image_rows(tmp_path, question_suffix=" <|image_pad|>")
+    with pytest.raises(ValueError, match=r"sample 'multi-\d'.*image"):
+        run(config(assets, tmp_path / "out", dataset_name=data, max_steps=1,
+                   reward_funcs=["tests.grpo_helpers:completion_length"]))
+
+
+@pytest.mark.slow
+def test_push_to_hub_uploads_checkpoint_with_card_in_background(assets, tmp_path, monkeypatch):
+    import utils.hub
+
+    uploads = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, **kw):
+            return repo_id
+
+        def upload_folder(self, *, repo_id, folder_path, **kw):
+            files = sorted(os.listdir(folder_path))
+            card = open(os.path.join(folder_path, "README.md")).read()
+            uploads.append((repo_id, files, card))
+
+    monkeypatch.setattr(utils.hub, "HfApi", FakeApi)
+    run(config(assets, tmp_path, max_steps=2, save_steps=1, push_to_hub=True, hub_model_id="me/tiny-grpo",
+               report_to="tensorboard", reward_funcs=["tests.grpo_helpers:completion_length"]))
+    assert [u[0] for u in uploads] == ["me/tiny-grpo", "me/tiny-grpo"]
+    repo, files, card = uploads[-1]
+    assert "model.safetensors" in files and "config.json" in files and "README.md" in files
+    assert not any("optimizer" in f or "random_states" in f for f in files)  # training state stays local
+    assert "train_grpo.py" in card and "num_generations" in card
+    # tensorboard is the default tracker: event files were written
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_use_vllm_without_vllm_is_a_clear_error_before_loading(assets, tmp_path):
+    with pytest.raises((ImportError, RuntimeError), match="--use_vllm"):
+        run(config(assets, tmp_path, use_vllm=True))
+    assert not (tmp_path / "metrics.jsonl").exists()

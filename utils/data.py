@@ -377,9 +377,12 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     if choices_column is None:
         choices_column = next((c for c in ("choices", "options") if c in table.column_names), None)
 
-    images = None
+    images, many = None, False
     if image_column is not None:
-        images, _ = _image_cells(table, source, image_column, check_images, many=False)
+        # A column of image lists gives several images per sample (kept as a list per row).
+        kind = _image_feature_kind(table.features[image_column])
+        many = kind == "images" or (kind == "other" and any(isinstance(v, list) for v in table[image_column]))
+        images, _ = _image_cells(table, source, image_column, check_images, many=many)
     columns = table.column_names
     questions = [_text(source, i, question_column, v) for i, v in enumerate(table[question_column])]
     answers = [_text(source, i, answer_column, v) for i, v in enumerate(table[answer_column])]
@@ -410,7 +413,7 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
                         difficulty_column, source_column) if c]
     if images is not None:  # paths, or a one-image list: rewrite as one Image column
         new = {"image": images, **new}
-        features["image"] = datasets.Image()
+        features["image"] = datasets.List(datasets.Image()) if many else datasets.Image()
         drop.append(image_column)
     elif image_column is None:
         table = table.remove_columns([c for c in ("image",) if c in table.column_names])
