@@ -19,19 +19,21 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from transformers import get_scheduler
 
 from kernels import group_advantages
 from rewards import get_reward
 from utils.args import config_to_dict, parse_config, save_config
-from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, save_checkpoint
+from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from utils.curriculum import CurriculumSampler, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import load_vqa
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import load_model_and_processor
+from utils.pcgrad import pcgrad_backward
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.rollout import (CompletionLogProbs, completion_seeds, encode_prompts, generate_completions,
                            prepare_reference_model, special_token_ids_to_suppress,
@@ -92,6 +94,16 @@ class GRPOConfig:
     scale_rewards: str = choice("group", "batch", "none")
     num_iterations: int = 1
     use_vllm: bool = False
+    use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
+    allow_double_accuracy: bool = field(default=False, metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
+    # difficulty curriculum (OpenVLThinker)
+    curriculum: list[str] = field(default_factory=list, metadata={"help": "stages in order, e.g. medium,hard"})
+    difficulty_column: str = "difficulty"
+    difficulty_samples: int = field(default=0, metadata={"help": "k rollouts per question to estimate difficulty; 0: use --difficulty_column"})
+    difficulty_reward: str = "accuracy"
+    rating_column: Optional[str] = field(default=None, metadata={"help": "quality rating in [0, 1] averaged into the difficulty"})
+    difficulty_split: str = choice("tertiles", "thresholds")
+    difficulty_thresholds: list[float] = field(default_factory=lambda: [1 / 3, 2 / 3])
     # optimisation
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "constant"
@@ -126,6 +138,11 @@ def validate(cfg, num_processes):
         raise ValueError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} --reward_funcs")
     if cfg.temperature <= 0:
         raise ValueError("--temperature must be > 0 for GRPO sampling")
+    if "cpr" in cfg.reward_funcs and "accuracy" in cfg.reward_funcs and not cfg.allow_double_accuracy:
+        raise ValueError("--reward_funcs has both accuracy and cpr, and cpr already rewards the answer, so a correct "
+                         "answer would count twice; drop accuracy, or pass --allow_double_accuracy to mean it")
+    if cfg.curriculum and cfg.difficulty_samples < 0:
+        raise ValueError("--difficulty_samples must be >= 0")
     if cfg.use_vllm:
         require_vllm()
     if cfg.push_to_hub and not cfg.hub_model_id:
@@ -174,6 +191,9 @@ def main(cfg: GRPOConfig):
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
 
+    eos_ids = [tokenizer.eos_token_id] + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tokenizer.get_vocab() else [])
+    eos_ids = sorted(set(i for i in eos_ids if i is not None))
+    suppress_ids = special_token_ids_to_suppress(tokenizer, eos_ids)
     policy = CompletionLogProbs(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
@@ -193,24 +213,31 @@ def main(cfg: GRPOConfig):
     ref_policy = prepare_reference_model(cfg, model_path, policy, accelerator) if cfg.beta != 0.0 else None
     vllm = VLLMRollout(model_path, accelerator, cfg) if cfg.use_vllm else None  # clear error without vLLM
 
-    # ---- resume ----
-    sampler = SeededSampler(len(dataset), seed=cfg.seed)
-    global_step, round_index = 0, 0
+    if cfg.use_pcgrad and accelerator.distributed_type.name == "DEEPSPEED":
+        raise ValueError("--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP")
+
+    # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
+    global_step, round_index, state = 0, 0, {}
     resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path)
         global_step, round_index = state["global_step"], state["round_index"]
-        sampler.load_state_dict(state["sampler"])
         accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    stages = {"all": list(range(len(dataset)))}
+    if cfg.curriculum:
+        levels = state.get("difficulty_levels") or difficulty_levels(cfg, dataset, policy, processor, accelerator,
+                                                                     reward_fns, eos_ids, suppress_ids)
+        stages = stage_indices(levels, cfg.curriculum)
+        accelerator.print("curriculum: " + ", ".join(f"{k} {len(v)} questions" for k, v in stages.items()))
+    sampler = CurriculumSampler(stages, seed=cfg.seed, total_steps=max_steps)
+    if state:
+        sampler.load_state_dict(state["sampler"])
     if accelerator.is_main_process:
         os.makedirs(cfg.output_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
                        total_steps=max_steps, start_step=global_step)
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
-    eos_ids = [tokenizer.eos_token_id] + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tokenizer.get_vocab() else [])
-    eos_ids = sorted(set(i for i in eos_ids if i is not None))
-    suppress_ids = special_token_ids_to_suppress(tokenizer, eos_ids)
     train_start = time.perf_counter()
 
     while global_step < max_steps:
@@ -220,7 +247,7 @@ def main(cfg: GRPOConfig):
         buffer, round_stats = [], []
         policy.eval()
         for micro in range(GA):
-            prompt_idx = sampler.take(prompts_per_micro)
+            prompt_idx = sampler.take(prompts_per_micro, global_step)
             global_rows = [i for i in prompt_idx for _ in range(G)]
             local = slice(rank * B, (rank + 1) * B)
             rows = [dataset[i] for i in global_rows[local]]
@@ -254,7 +281,11 @@ def main(cfg: GRPOConfig):
                     if value is not None:
                         local_rewards[k, j] = float(value)
             all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu()
-            advantages = group_advantages(all_rewards, G, weights=reward_weights, scale=cfg.scale_rewards)[local]
+            if cfg.use_pcgrad:  # one advantage per reward function, each normalised within its groups
+                advantages = torch.stack([group_advantages(all_rewards[:, j], G, scale=cfg.scale_rewards)
+                                          for j in range(len(reward_fns))], dim=-1)[local]
+            else:
+                advantages = group_advantages(all_rewards, G, weights=reward_weights, scale=cfg.scale_rewards)[local]
             timings["rewards"] += time.perf_counter() - t0
 
             # ---- 3. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
@@ -280,14 +311,28 @@ def main(cfg: GRPOConfig):
                 with accelerator.accumulate(policy):
                     logps = policy(mb["batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature)
                     old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
-                    loss, stats = clipped_policy_loss(
-                        logps, old, mb["advantages"], mb["completion_mask"], epsilon_low=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high, beta=cfg.beta, ref_logps=mb["ref_logps"], loss_type=cfg.loss_type,
-                        importance_sampling_level=cfg.importance_sampling_level,
-                        max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
-                        num_processes=world)
+                    loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb["ref_logps"],
+                                   loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
+                                   max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
+                                   num_processes=world)
                     # accelerate divides by GA; dapo's normaliser already spans the whole step
-                    accelerator.backward(loss * GA if cfg.loss_type == "dapo" else loss)
+                    scale = 1.0 if cfg.loss_type == "dapo" else 1.0 / GA
+                    if cfg.use_pcgrad:
+                        losses = [w * clipped_policy_loss(logps, old, mb["advantages"][:, j], mb["completion_mask"],
+                                                          beta=0.0, **loss_kw)[0] for j, w in enumerate(reward_weights.tolist())]
+                        kl_loss, stats = clipped_policy_loss(logps, logps.detach(), torch.zeros_like(mb["advantages"][:, 0]),
+                                                             mb["completion_mask"], beta=cfg.beta, **loss_kw)
+                        loss = sum(losses) + kl_loss
+                        pcgrad_backward([l * scale for l in losses], policy.parameters(),
+                                        extra_loss=kl_loss * scale if cfg.beta else None)
+                        if accelerator.sync_gradients and world > 1:  # autograd.grad bypasses DDP's all-reduce
+                            for p in policy.parameters():
+                                if p.grad is not None:
+                                    p.grad = accelerator.reduce(p.grad, "mean")
+                    else:
+                        loss, stats = clipped_policy_loss(logps, old, mb["advantages"], mb["completion_mask"],
+                                                          beta=cfg.beta, **loss_kw)
+                        accelerator.backward(loss * GA if cfg.loss_type == "dapo" else loss)
                     if accelerator.sync_gradients and cfg.max_grad_norm:
                         accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
                     optimizer.step()
@@ -321,7 +366,9 @@ def main(cfg: GRPOConfig):
 
             # ---- 6. checkpoint (atomic) and push ----
             if global_step % cfg.save_steps == 0 or global_step == max_steps:
-                state = dict(global_step=global_step, round_index=round_index + 1, sampler=sampler.state_dict())
+                state = dict(global_step=global_step, round_index=round_index + 1, sampler=sampler.state_dict(),
+                             stage=sampler.names[sampler.stage(global_step - 1)],
+                             difficulty_levels=levels if cfg.curriculum else None)
                 path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
                                        extra_state=state, save_total_limit=cfg.save_total_limit)
                 if uploader:
@@ -342,6 +389,61 @@ def main(cfg: GRPOConfig):
             uploader.wait()
     accelerator.end_training()
     return policy
+
+
+def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, eos_ids, suppress_ids):
+    """easy/medium/hard per training question: the data set's column, or estimated with the current model.
+
+    The estimate is the error rate over --difficulty_samples sampled answers, scored by --difficulty_reward
+    (a reward >= 1 counts as correct), optionally averaged with --rating_column; questions are shared out
+    over the processes and the scores gathered, so every process builds the same stages.
+    """
+    if cfg.difficulty_samples == 0:
+        if cfg.difficulty_column not in dataset.column_names:
+            raise ValueError(f"--curriculum needs a '{cfg.difficulty_column}' column (--difficulty_column) or "
+                             f"--difficulty_samples k to estimate difficulty; columns: {dataset.column_names}")
+        levels = dataset[cfg.difficulty_column]
+        bad = [(i, v) for i, v in enumerate(levels) if v not in ("easy", "medium", "hard")]
+        if bad:
+            raise ValueError(f"row {bad[0][0]}, column '{cfg.difficulty_column}': {bad[0][1]!r} is not easy/medium/hard")
+        return list(levels)
+    if cfg.difficulty_reward not in cfg.reward_funcs:
+        raise ValueError(f"--difficulty_reward {cfg.difficulty_reward!r} must be one of --reward_funcs {cfg.reward_funcs}")
+    judge = reward_fns[cfg.reward_funcs.index(cfg.difficulty_reward)]
+    tokenizer = getattr(processor, "tokenizer", processor)
+    rank, world, k = accelerator.process_index, accelerator.num_processes, cfg.difficulty_samples
+    mine = list(range(rank, len(dataset), world))
+    errors = {}
+    policy.eval()
+    chunk = max(1, cfg.per_device_train_batch_size // k)
+    for start in range(0, len(mine), chunk):
+        idx = mine[start:start + chunk]
+        rows = [dataset[i] for i in idx for _ in range(k)]
+        messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
+                                   template=cfg.prompt_template, system_prompt=cfg.system_prompt) for r in rows]
+        batch = encode_prompts(processor, messages, [images_of(r) for r in rows], sample_ids=[r["id"] for r in rows],
+                               max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+        seeds = completion_seeds(cfg.seed, -1, [i * k + j for i in idx for j in range(k)])
+        with unwrap_for_generation(policy, accelerator) as unwrapped:
+            ids, mask = generate_completions(unwrapped.model, batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
+                                             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                             eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+                                             suppress_token_ids=suppress_ids)
+        texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+        columns = {c: [r[c] for r in rows] for c in dataset.column_names if c != "image"}
+        scores = judge(texts, **columns)
+        for n, i in enumerate(idx):
+            correct = [s is not None and s >= 1.0 for s in scores[n * k:(n + 1) * k]]
+            errors[i] = 1.0 - sum(correct) / k
+    gathered = {}
+    for part in gather_object([errors]):
+        gathered.update(part)
+    error_rates = [gathered[i] for i in range(len(dataset))]
+    if cfg.rating_column:
+        if cfg.rating_column not in dataset.column_names:
+            raise ValueError(f"--rating_column {cfg.rating_column!r} is not a column; columns: {dataset.column_names}")
+        error_rates = combine_with_rating(error_rates, dataset[cfg.rating_column])
+    return levels_from_scores(error_rates, split=cfg.difficulty_split, thresholds=tuple(cfg.difficulty_thresholds))
 
 
 def images_of(row):

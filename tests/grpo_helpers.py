@@ -17,3 +17,8 @@ def half_missing(completions, **columns):
 def completion_length(completions, **columns):
     """A reward that varies within a group, so advantages are non-zero."""
     return [float(len(c if isinstance(c, str) else c[0]["content"])) / 10.0 for c in completions]
+
+
+def negative_length(completions, **columns):
+    """The opposite objective of completion_length: conflicting gradients for PCGrad."""
+    return [-r for r in completion_length(completions)]
