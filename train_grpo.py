@@ -35,11 +35,13 @@ from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import load_model_and_processor
 from utils.pcgrad import pcgrad_backward
 from utils.prompts import PROMPT_TEMPLATES, build_messages
-from utils.rollout import (CompletionLogProbs, completion_seeds, encode_prompts, generate_completions,
+from utils.rollout import (CompletionLogProbs, can_share_prompts, completion_seeds, encode_prompts, expand_prompts,
+                           generate_completions,
                            prepare_reference_model, special_token_ids_to_suppress,
                            unwrap_for_generation)
 from utils.vllm_rollout import VLLMRollout, require_vllm
-from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
+from utils.evaluation import heldout_accuracy
+from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny, shapes_dataset_path
 
 
 def choice(*options, help=""):
@@ -123,6 +125,13 @@ class GRPOConfig:
     push_to_hub: bool = False
     hub_model_id: Optional[str] = None
     log_completions: int = 4
+    # held-out evaluation (greedy accuracy), before and after training
+    eval_dataset_name: Optional[str] = field(default=None, metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
+    eval_split: str = "test"
+    eval_samples: Optional[int] = 256
+    eval_batch_size: int = 64
+    eval_max_new_tokens: int = 128
+    eval_before: bool = field(default=True, metadata={"help": "also evaluate the starting model"})
 
 
 def validate(cfg, num_processes):
@@ -175,6 +184,13 @@ def main(cfg: GRPOConfig):
     reward_fns = [get_reward(name, **cfg.reward_kwargs.get(name, {})) for name in cfg.reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
     reward_columns = [c for c in dataset.column_names if c != "image"]
+    eval_set = None
+    if cfg.eval_dataset_name:
+        with accelerator.main_process_first():
+            eval_path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
+        eval_set = load_vqa(eval_path, split=cfg.eval_split, image_column=cfg.image_column,
+                            question_column=cfg.question_column, answer_column=cfg.answer_column,
+                            steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=False)
 
     # ---- model, reference, optimiser ----
     model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
@@ -238,6 +254,18 @@ def main(cfg: GRPOConfig):
     logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
                        total_steps=max_steps, start_step=global_step)
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+
+    def evaluate():
+        with unwrap_for_generation(policy, accelerator) as unwrapped:
+            return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=cfg.prompt_template,
+                                    system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
+                                    max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
+                                    accelerator=accelerator)
+
+    heldout_before = state.get("heldout_before")
+    if eval_set is not None and cfg.eval_before and global_step == 0:
+        heldout_before = evaluate()
+        accelerator.print(f"held-out accuracy before GRPO: {heldout_before['accuracy']:.3f} ({heldout_before['samples']} questions)")
     train_start = time.perf_counter()
 
     while global_step < max_steps:
@@ -254,8 +282,19 @@ def main(cfg: GRPOConfig):
             ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
             messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
                                        template=cfg.prompt_template, system_prompt=cfg.system_prompt) for r in rows]
-            batch = encode_prompts(processor, messages, [images_of(r) for r in rows], sample_ids=ids,
-                                   max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+            # When the model allows it, each prompt is encoded once and its G completions share its forward
+            # pass in training (prompt_index maps completions to prompts); generation runs one row each.
+            local_idx = global_rows[local]
+            unique = sorted(set(local_idx), key=local_idx.index)
+            first = [local_idx.index(i) for i in unique]
+            if can_share_prompts(model, [len(images_of(rows[j])) for j in first]):
+                prompt_index = torch.tensor([unique.index(i) for i in local_idx], device=accelerator.device)
+            else:
+                prompt_index, first = None, list(range(len(rows)))
+            prompt_batch = encode_prompts(processor, [messages[j] for j in first], [images_of(rows[j]) for j in first],
+                                          sample_ids=[ids[j] for j in first],
+                                          max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+            batch = expand_prompts(prompt_batch, prompt_index) if prompt_index is not None else prompt_batch
             seeds = completion_seeds(cfg.seed, round_index, range(micro * B * world + rank * B, micro * B * world + (rank + 1) * B))
             t0 = time.perf_counter()
             if vllm is not None:
@@ -291,10 +330,12 @@ def main(cfg: GRPOConfig):
             # ---- 3. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
             t0 = time.perf_counter()
             with torch.no_grad():
-                old_logps = policy(batch, completion_ids, completion_mask, cfg.temperature) if mu > 1 else None
-                ref_logps = ref_policy(batch, completion_ids, completion_mask, cfg.temperature) if ref_policy else None
+                old_logps = (policy(prompt_batch, completion_ids, completion_mask, cfg.temperature, prompt_index=prompt_index)
+                             if mu > 1 else None)
+                ref_logps = (ref_policy(prompt_batch, completion_ids, completion_mask, cfg.temperature,
+                                        prompt_index=prompt_index) if ref_policy else None)
             timings["logprob"] += time.perf_counter() - t0
-            buffer.append(dict(batch=batch, completion_ids=completion_ids, completion_mask=completion_mask,
+            buffer.append(dict(batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids, completion_mask=completion_mask,
                                advantages=advantages.to(accelerator.device), old_logps=old_logps, ref_logps=ref_logps))
             round_stats.append(dict(rewards=all_rewards, lengths=accelerator.gather(completion_mask.sum(-1)).float().cpu(),
                                     samples=[dict(id=i, prompt=m[-1]["content"][-1]["text"], completion=t, reward=float(r))
@@ -309,7 +350,8 @@ def main(cfg: GRPOConfig):
             for mb in buffer:
                 t0 = time.perf_counter()
                 with accelerator.accumulate(policy):
-                    logps = policy(mb["batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature)
+                    logps = policy(mb["batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature,
+                                   prompt_index=mb["prompt_index"])
                     old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
                     loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb["ref_logps"],
                                    loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
@@ -368,7 +410,7 @@ def main(cfg: GRPOConfig):
             if global_step % cfg.save_steps == 0 or global_step == max_steps:
                 state = dict(global_step=global_step, round_index=round_index + 1, sampler=sampler.state_dict(),
                              stage=sampler.names[sampler.stage(global_step - 1)],
-                             difficulty_levels=levels if cfg.curriculum else None)
+                             difficulty_levels=levels if cfg.curriculum else None, heldout_before=heldout_before)
                 path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
                                        extra_state=state, save_total_limit=cfg.save_total_limit)
                 if uploader:
@@ -379,12 +421,22 @@ def main(cfg: GRPOConfig):
         round_index += 1
 
     train_runtime = time.perf_counter() - train_start
+    summary = dict(global_step=global_step, train_runtime=train_runtime, peak_memory_mb=peak_memory_mb(),
+                   **(logger.last_metrics or {}))
+    if eval_set is not None:
+        after = evaluate()
+        logger.log(global_step, {f"heldout_{k}": v for k, v in after.items()})
+        summary.update({f"heldout_{k}_after": v for k, v in after.items()})
+        if heldout_before:
+            summary.update({f"heldout_{k}_before": v for k, v in heldout_before.items()})
+        accelerator.print(f"held-out accuracy: before {heldout_before['accuracy']:.3f} -> after {after['accuracy']:.3f} "
+                          f"({after['samples']} questions)" if heldout_before else
+                          f"held-out accuracy after GRPO: {after['accuracy']:.3f} ({after['samples']} questions)")
     logger.close()
     if accelerator.is_main_process:
         plot_reward_curve(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "reward_curve.png"),
                           keys=["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs])
-        write_summary(cfg.output_dir, dict(global_step=global_step, train_runtime=train_runtime,
-                                           peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {})))
+        write_summary(cfg.output_dir, summary)
         if uploader:
             uploader.wait()
     accelerator.end_training()

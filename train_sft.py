@@ -157,7 +157,8 @@ def conversation(cfg, row):
 
 
 def main(cfg: SFTConfig):
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+    # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
                               project_dir=cfg.output_dir)
     validate(cfg)

@@ -16,7 +16,9 @@ the suppressed id list, which is applied the same way either way). `--natural_le
 both sides instead; the mean completion lengths are printed either way.
 
 Each framework runs in its own fresh process (one after the other, never at once), with the same torch
-and OpenMP thread count, so the peak RSS (ru_maxrss) is that framework's alone. Seconds per step leave out
+and OpenMP thread count, so the peak RSS (ru_maxrss) is that framework's alone. On a machine other jobs
+also load, use `--threads 1`: with more threads than free cores every parallel op waits for a descheduled
+thread, and the timings count tensor ops rather than measure compute. Seconds per step leave out
 the warm-up steps; ours come from metrics.jsonl (`step_time`, `time/*`), TRL's from a TrainerCallback
 (`on_step_begin` .. `on_step_end`) with its generation, no-grad log-prob and reward calls timed by a
 subclass. The shares split a step the same way on both sides:

@@ -76,3 +76,17 @@ def test_completion_seeds_for_late_rounds_and_large_seeds():
     for round_index in (2, 10_000, 2**40):
         s = completion_seeds(2**31 - 1, round_index, range(4))
         assert s.dtype == torch.long and len(set(s.tolist())) == 4
+
+
+def test_block_noise_equals_per_step_noise():
+    seeds = completion_seeds(11, 3, range(5))
+    block = counter_uniform(seeds, torch.arange(2, 9), 37)
+    for k, step in enumerate(range(2, 9)):
+        assert torch.equal(block[:, k], counter_uniform(seeds, step, 37))
+    # The sampler's cached blocks give the same draws as drawing each step on its own.
+    logits = torch.randn(5, 37)
+    cached = GumbelSampler(seeds, prompt_length=4, max_new_tokens=20)
+    single = GumbelSampler(seeds, prompt_length=4)
+    for step in range(20):
+        ids = torch.zeros(5, 4 + step, dtype=torch.long)
+        assert torch.equal(cached(ids, logits), single(ids, logits))

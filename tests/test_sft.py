@@ -273,3 +273,34 @@ def test_resume_continues_exactly(tiny, shapes, tmp_path):
     assert _losses(resumed) == _losses(full)[2:]
     state = json.loads((resumed / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["sampler"]["position"] == 12
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tiny, shapes, tmp_path):
+    # Same global batch (8 rows x 2 accumulation steps) on 1 and on 2 DDP processes: same losses, same
+    # gradient norms, so the token-mean over the whole step is normalised the same way.
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    rows = {}
+    for n in (1, 2):
+        out = tmp_path / f"p{n}"
+        args = [accelerate, "launch", "--config_file", os.path.join(repo, "accelerate_configs", "cpu.yaml"),
+                "--num_processes", str(n), os.path.join(repo, "train_sft.py"),
+                "--model_name_or_path", tiny["qwen2_5_vl"], "--dataset_name", shapes,
+                "--per_device_train_batch_size", str(8 // n), "--gradient_accumulation_steps", "2",
+                "--max_steps", "2", "--learning_rate", "1e-3", "--save_steps", "2", "--max_length", "512",
+                "--eval_dataset_name", shapes, "--eval_samples", "6", "--eval_max_new_tokens", "4",
+                "--report_to", "none", "--output_dir", str(out)]
+        proc = subprocess.run(args, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        with open(out / "metrics.jsonl") as f:
+            rows[n] = [r for r in map(json.loads, f) if "loss" in r]
+        assert json.loads((out / "train_summary.json").read_text())["heldout_samples"] == 6
+    assert len(rows[1]) == len(rows[2]) == 2
+    for a, b in zip(rows[1], rows[2]):
+        assert a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -33,11 +33,15 @@ def _splitmix64(x):
 
 
 def counter_uniform(row_seeds, step, vocab_size):
-    """Uniform(0, 1) noise of shape [B, V] that depends only on (row seed, step, token id)."""
+    """Uniform(0, 1) noise that depends only on (row seed, step, token id).
+
+    `step` is an int (returns [B, V]) or a 1-D tensor of steps (returns [B, S, V]).
+    """
     device = row_seeds.device
-    base = _splitmix64(row_seeds.long() * _GOLDEN + step)
+    steps = torch.as_tensor(step, dtype=torch.long, device=device)
+    base = _splitmix64(row_seeds.long().view(-1, *([1] * steps.dim())) * _GOLDEN + steps)
     tokens = torch.arange(vocab_size, device=device, dtype=torch.long)
-    bits = _splitmix64(base[:, None] + tokens[None, :] * _GOLDEN)
+    bits = _splitmix64(base.unsqueeze(-1) + tokens * _GOLDEN)
     mantissa = (bits & _MASK63) >> 10  # 53 random bits
     return (mantissa.double() + 0.5) / float(1 << 53)
 
@@ -56,15 +60,31 @@ class GumbelSampler(LogitsProcessor):
     argmax(log p + Gumbel noise) is an exact sample from p; the noise comes from `counter_uniform`.
     """
 
-    def __init__(self, row_seeds, prompt_length, temperature=1.0, top_k=None, top_p=None):
+    # Noise for several decoding steps is drawn at once (one batch of hash ops instead of one per token)
+    # as long as the block stays under this many elements; large vocabularies draw a step at a time.
+    block_elements = 1 << 22
+
+    def __init__(self, row_seeds, prompt_length, temperature=1.0, top_k=None, top_p=None, max_new_tokens=None):
         self.row_seeds = row_seeds
         self.prompt_length = prompt_length
         self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self._block, self._block_start = None, None
         self.warpers = []
         if top_k:
             self.warpers.append(TopKLogitsWarper(top_k=int(top_k)))
         if top_p is not None and top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p=float(top_p)))
+
+    def gumbel(self, step, vocab_size, device):
+        """Gumbel noise [B, V] for one decoding step, served from a cached block of steps."""
+        block = self._block
+        if block is None or not (self._block_start <= step < self._block_start + block.shape[1]) or block.shape[-1] != vocab_size:
+            remaining = (self.max_new_tokens - step) if self.max_new_tokens else 1
+            n = max(1, min(remaining, self.block_elements // max(1, len(self.row_seeds) * vocab_size)))
+            u = counter_uniform(self.row_seeds.to(device), torch.arange(step, step + n, device=device), vocab_size)
+            self._block, self._block_start = (-torch.log(-torch.log(u))).float(), step
+        return self._block[:, step - self._block_start]
 
     def __call__(self, input_ids, scores):
         scores = scores.float()
@@ -74,9 +94,7 @@ class GumbelSampler(LogitsProcessor):
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         step = input_ids.shape[1] - self.prompt_length
-        u = counter_uniform(self.row_seeds.to(scores.device), step, scores.shape[-1])
-        gumbel = -torch.log(-torch.log(u)).to(scores.dtype)
-        return scores + gumbel
+        return scores + self.gumbel(step, scores.shape[-1], scores.device)
 
 
 def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length=None):
@@ -163,7 +181,8 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
     a completion would not match any image features when the completion is scored.
     """
     prompt_length = batch["input_ids"].shape[1]
-    sampler = GumbelSampler(row_seeds, prompt_length, temperature=temperature, top_k=top_k, top_p=top_p)
+    sampler = GumbelSampler(row_seeds, prompt_length, temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_new_tokens=max_new_tokens)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, temperature=None, top_k=None, top_p=None,
@@ -229,8 +248,16 @@ class CompletionLogProbs(nn.Module):
     def config(self):
         return hf_core(self.model).config
 
-    def forward(self, prompt_inputs, completion_ids, completion_mask, temperature=1.0, return_entropy=False):
+    def forward(self, prompt_inputs, completion_ids, completion_mask, temperature=1.0, return_entropy=False,
+                prompt_index=None):
+        """Log-probs [B, T] of the completions. With `prompt_index` ([B], row of `prompt_inputs` for each
+        completion) the G completions of a group share one forward pass over their prompt."""
         core = hf_core(self.model)
+        if prompt_index is not None:
+            if not getattr(core, "is_gradient_checkpointing", False):
+                return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
+                                                   temperature, return_entropy)
+            prompt_inputs = expand_prompts(prompt_inputs, prompt_index)
         input_ids = torch.cat([prompt_inputs["input_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([prompt_inputs["attention_mask"], completion_mask.to(prompt_inputs["attention_mask"])], dim=1)
         extra = {}
@@ -250,6 +277,65 @@ class CompletionLogProbs(nn.Module):
         head = core.get_output_embeddings()
         return fused_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
                                     return_entropy=return_entropy)
+
+
+    def _shared_prompt_forward(self, core, prompts, prompt_index, completion_ids, completion_mask, temperature,
+                               return_entropy):
+        """Each unique prompt (vision tower included) runs once; its KV cache is then index-selected to the
+        completions, so a group's completions share it and its gradient sums over them. Positions (Qwen's
+        3-D rope too) are those of the full sequences, as in the unshared forward."""
+        from transformers import DynamicCache
+
+        base = core.base_model
+        idx = torch.as_tensor(prompt_index, device=completion_ids.device)
+        p_ids, p_mask = prompts["input_ids"], prompts["attention_mask"]
+        lp = p_ids.shape[1]
+        full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
+        extra = {k: v for k, v in prompts.items() if k not in ("input_ids", "attention_mask")}
+        prefix_pos = completion_pos = None
+        if "mm_token_type_ids" in prompts:
+            full = expand_prompts(prompts, idx)
+            mm = torch.cat([full["mm_token_type_ids"], full["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
+            pos, _ = base.get_rope_index(torch.cat([full["input_ids"], completion_ids], 1), mm,
+                                         image_grid_thw=full.get("image_grid_thw"), attention_mask=full_mask)
+            first = torch.stack([(idx == p).nonzero()[0, 0] for p in range(p_ids.shape[0])])
+            prefix_pos, completion_pos = pos[:, first, :lp], pos[:, :, lp:]
+        cache = DynamicCache(config=core.config)
+        out = base(input_ids=p_ids, attention_mask=p_mask, position_ids=prefix_pos, cache=cache,
+                   use_cache=True, **extra)
+        last = out.last_hidden_state[:, -1]  # left padding: the last column is each prompt's last token
+        cache.batch_select_indices(idx)
+        out = base(input_ids=completion_ids, attention_mask=full_mask, position_ids=completion_pos,
+                   cache=cache, use_cache=True)
+        hidden = torch.cat([last[idx][:, None], out.last_hidden_state[:, :-1]], 1)
+        labels = completion_ids.masked_fill(completion_mask == 0, -100)
+        head = core.get_output_embeddings()
+        return fused_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
+                                    return_entropy=return_entropy)
+
+
+def can_share_prompts(model, images_per_prompt):
+    """Whether a group's completions can share one prompt pass: text-only models, and Qwen-VL models with
+    one image per prompt (their flattened pixel_values split per prompt by image_grid_thw)."""
+    config = hf_core(model).config
+    if all(n == 0 for n in images_per_prompt):
+        return not hasattr(config, "vision_config")
+    return config.model_type in ("qwen2_vl", "qwen2_5_vl") and all(n == 1 for n in images_per_prompt)
+
+
+def expand_prompts(prompts, prompt_index):
+    """The per-completion prompt batch from unique prompts (one image per prompt when there are images)."""
+    idx = torch.as_tensor(prompt_index)
+    out = {}
+    for key, value in prompts.items():
+        if key == "pixel_values" and "image_grid_thw" in prompts:
+            chunks = value.split(prompts["image_grid_thw"].prod(-1).tolist())
+            out[key] = torch.cat([chunks[i] for i in idx.tolist()])
+        elif torch.is_tensor(value):
+            out[key] = value[idx.to(value.device)]
+        else:
+            out[key] = value
+    return type(prompts)(out) if not isinstance(prompts, dict) else out
 
 
 class AdapterDisabledReference(nn.Module):

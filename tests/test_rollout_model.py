@@ -1,0 +1,72 @@
+"""CompletionLogProbs on real tiny models: equal to the model's own logits, and the shared-prompt pass
+(a group's completions reuse one prompt forward) equal to the plain one, values and gradients."""
+
+import pytest
+import torch
+
+from utils.models import load_model_and_processor, make_tiny_llm, make_tiny_vlm
+from utils.prompts import build_messages
+from utils.rollout import (CompletionLogProbs, can_share_prompts, completion_seeds, encode_prompts, expand_prompts,
+                           generate_completions)
+from utils.synthetic import make_shapes_vqa
+
+
+@pytest.fixture(scope="module", params=["qwen", "text"])
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    path = make_tiny_vlm(str(root / "m"), seed=0) if request.param == "qwen" else make_tiny_llm(str(root / "m"), seed=0)
+    model, processor = load_model_and_processor(path)
+    rows = [make_shapes_vqa(3, seed=5)[i] for i in (0, 2)]  # two prompts of different lengths
+    images = [[r["image"]] if request.param == "qwen" else [] for r in rows]
+    messages = [build_messages(r["question"] + " Look closely." * i, num_images=len(im))
+                for i, (r, im) in enumerate(zip(rows, images))]
+    prompts = encode_prompts(processor, messages, images, sample_ids=["a", "b"])
+    prompt_index = torch.tensor([0, 0, 0, 1, 1, 1])
+    tok = getattr(processor, "tokenizer", processor)
+    ids, mask = generate_completions(model, expand_prompts(prompts, prompt_index), row_seeds=completion_seeds(0, 0, range(6)),
+                                     max_new_tokens=7, temperature=1.0, eos_token_id=[tok.eos_token_id],
+                                     pad_token_id=tok.pad_token_id)
+    return model, prompts, prompt_index, ids, mask, images
+
+
+def test_logprobs_equal_the_models_own_logits(setup):
+    model, prompts, prompt_index, ids, mask, _ = setup
+    full = expand_prompts(prompts, prompt_index)
+    with torch.no_grad():
+        ours = CompletionLogProbs(model)(full, ids, mask, temperature=0.7)
+        inputs = dict(full)
+        inputs["input_ids"] = torch.cat([full["input_ids"], ids], 1)
+        inputs["attention_mask"] = torch.cat([full["attention_mask"], mask], 1)
+        if "mm_token_type_ids" in full:
+            inputs["mm_token_type_ids"] = torch.cat([full["mm_token_type_ids"], torch.zeros_like(ids)], 1)
+        logits = model(**inputs).logits[:, full["input_ids"].shape[1] - 1:-1] / 0.7
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1) * mask
+    assert torch.allclose(ours, expected, atol=1e-5)
+
+
+def test_shared_prompt_pass_matches_plain_pass_with_gradients(setup):
+    model, prompts, prompt_index, ids, mask, images = setup
+    assert can_share_prompts(model, [len(i) for i in images])
+    policy = CompletionLogProbs(model)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
+
+    def grads(logps):
+        model.zero_grad()
+        (logps * weights * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = policy(expand_prompts(prompts, prompt_index), ids, mask)
+    g_plain = grads(plain)
+    shared = policy(prompts, ids, mask, prompt_index=prompt_index)
+    g_shared = grads(shared)
+    assert torch.allclose(shared, plain, atol=1e-5)
+    assert g_plain.keys() == g_shared.keys()
+    for name in g_plain:
+        assert torch.allclose(g_shared[name], g_plain[name], rtol=1e-3, atol=1e-6), name
+
+
+def test_sharing_is_refused_where_images_do_not_split_per_prompt(setup):
+    model = setup[0]
+    if hasattr(model.config, "vision_config"):
+        assert not can_share_prompts(model, [2, 1])
+        assert can_share_prompts(model, [1, 1])
