@@ -9,7 +9,6 @@ weighted reward within each group into advantages, and minimise the clipped surr
 optional k3 KL to a frozen reference). DESIGN.md section 4 has the formulas.
 """
 
-import dataclasses
 import math
 import os
 import sys
@@ -32,7 +31,7 @@ from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
-from utils.models import load_model_and_processor
+from utils.models import load_model_and_processor, prepare_for_training
 from utils.pcgrad import pcgrad_backward
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.rollout import (CompletionLogProbs, can_share_prompts, completion_seeds, encode_prompts, expand_prompts,
@@ -40,8 +39,8 @@ from utils.rollout import (CompletionLogProbs, can_share_prompts, completion_see
                            prepare_reference_model, special_token_ids_to_suppress,
                            unwrap_for_generation)
 from utils.vllm_rollout import VLLMRollout, require_vllm
-from utils.evaluation import heldout_accuracy
-from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny, shapes_dataset_path
+from utils.evaluation import evaluate_policy, load_eval_set
+from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 
 
 def choice(*options, help=""):
@@ -184,28 +183,14 @@ def main(cfg: GRPOConfig):
     reward_fns = [get_reward(name, **cfg.reward_kwargs.get(name, {})) for name in cfg.reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
     reward_columns = [c for c in dataset.column_names if c != "image"]
-    eval_set = None
-    if cfg.eval_dataset_name:
-        with accelerator.main_process_first():
-            eval_path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
-        eval_set = load_vqa(eval_path, split=cfg.eval_split, image_column=cfg.image_column,
-                            question_column=cfg.question_column, answer_column=cfg.answer_column,
-                            steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=False)
+    eval_set = load_eval_set(cfg, accelerator)
 
     # ---- model, reference, optimiser ----
     model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     tokenizer = getattr(processor, "tokenizer", processor)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    if cfg.use_peft:
-        from peft import LoraConfig, get_peft_model
-
-        targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    model = prepare_for_training(model, cfg)
 
     eos_ids = [tokenizer.eos_token_id] + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tokenizer.get_vocab() else [])
     eos_ids = sorted(set(i for i in eos_ids if i is not None))
@@ -256,11 +241,7 @@ def main(cfg: GRPOConfig):
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
 
     def evaluate():
-        with unwrap_for_generation(policy, accelerator) as unwrapped:
-            return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=cfg.prompt_template,
-                                    system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
-                                    max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
-                                    accelerator=accelerator)
+        return evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
 
     heldout_before = state.get("heldout_before")
     if eval_set is not None and cfg.eval_before and global_step == 0:

@@ -27,14 +27,14 @@ from kernels import fused_token_logprobs
 from utils.args import config_to_dict, parse_config, save_config
 from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, save_checkpoint
 from utils.data import load_sharegpt, load_vqa
-from utils.evaluation import heldout_accuracy
+from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
-from utils.models import freeze_vision_tower, load_model_and_processor
+from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
-from utils.rollout import CompletionLogProbs, hf_core, unwrap_for_generation
+from utils.rollout import CompletionLogProbs, hf_core
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
-from utils.tiny import REPO, TINY_DATASET, TINY_MODEL, resolve_tiny, shapes_dataset_path
+from utils.tiny import REPO, TINY_DATASET, TINY_MODEL, resolve_tiny
 
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
 
@@ -169,13 +169,7 @@ def main(cfg: SFTConfig):
     # ---- data (validated before any model is loaded) ----
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
     dataset = load_train_rows(cfg, dataset_path)
-    eval_set = None
-    if cfg.eval_dataset_name:
-        with accelerator.main_process_first():
-            eval_path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
-        eval_set = load_vqa(eval_path, split=cfg.eval_split, image_column=cfg.image_column,
-                            question_column=cfg.question_column, answer_column=cfg.answer_column,
-                            steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=False)
+    eval_set = load_eval_set(cfg, accelerator)
     eval_template = cfg.prompt_template or cfg.response_template
 
     # ---- model, optimiser ----
@@ -184,15 +178,7 @@ def main(cfg: SFTConfig):
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     if cfg.freeze_multi_modal_projector:
         freeze_vision_tower(model, include_projector=True)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    if cfg.use_peft:
-        from peft import LoraConfig, get_peft_model
-
-        targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    model = prepare_for_training(model, cfg)
     policy = AssistantNLL(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
@@ -221,11 +207,7 @@ def main(cfg: SFTConfig):
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
 
     def evaluate():
-        with unwrap_for_generation(policy, accelerator) as unwrapped:
-            return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=eval_template,
-                                    system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
-                                    max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
-                                    accelerator=accelerator)
+        return evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=eval_template)
 
     train_start = time.perf_counter()
     heldout = None

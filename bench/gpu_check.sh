@@ -41,6 +41,22 @@ timeout 200 "$PY" bench/bench_logprob.py --device cuda --dtype bf16 --tokens 409
     --out "$RESULTS" 2>&1 | tee "$RESULTS/bench_logprob_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { log "bench_logprob FAILED"; STATUS=1; }
 
+# ---- train_grpo.py: a tiny GRPO run on CUDA (bf16 autocast), then the same with --use_vllm when vLLM is there
+log "train_grpo smoke run on CUDA"
+timeout 150 "$PY" train_grpo.py --model_name_or_path tiny --dataset_name synthetic:shapes --max_steps 3 \
+    --per_device_train_batch_size 16 --num_generations 8 --max_completion_length 32 --learning_rate 1e-5 \
+    --bf16 --report_to none --output_dir "$RESULTS/grpo_cuda" 2>&1 | tail -5 | tee "$RESULTS/grpo_cuda.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { log "train_grpo CUDA smoke FAILED"; STATUS=1; }
+if "$PY" -c "import vllm" 2>/dev/null; then
+    log "train_grpo --use_vllm smoke run"
+    timeout 200 "$PY" train_grpo.py --model_name_or_path tiny --dataset_name synthetic:shapes --max_steps 3 \
+        --per_device_train_batch_size 16 --num_generations 8 --max_completion_length 32 --learning_rate 1e-5 \
+        --use_vllm --report_to none --output_dir "$RESULTS/grpo_vllm" 2>&1 | tail -5 | tee "$RESULTS/grpo_vllm.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { log "train_grpo --use_vllm smoke FAILED"; STATUS=1; }
+else
+    log "vLLM not installed here: --use_vllm smoke run skipped (pip install -r requirements-vllm.txt)"
+fi
+
 # ---- (later checks append here)
 
 log "done, status $STATUS; results in $RESULTS"

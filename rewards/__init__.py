@@ -23,6 +23,7 @@ __all__ = ["get_reward", "list_rewards", "register"]
 # name -> "module:factory"; imported on first use so `import rewards` stays light (no sympy, torch, HTTP).
 _BUILTIN = {
     "format": "rewards.crystal:format_reward",
+    "strict_format": "rewards.crystal:strict_format_reward",
     "accuracy": "rewards.crystal:accuracy_reward",
     "cpr": "rewards.crystal:cpr_reward",
     "spr": "rewards.crystal:spr_reward",

@@ -13,6 +13,7 @@ Completion formats understood by crystal-metrics:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,17 @@ def _format(completions, **columns) -> list[float]:
     return cm.format_reward(completion_texts(completions))
 
 
+def _strict_format(completions, **columns) -> list[float]:
+    out = []
+    for text in completion_texts(completions):
+        try:
+            parsed = json.loads(text.strip())
+        except ValueError:
+            parsed = None
+        out.append(1.0 if cm._validate_schema(parsed)[1] else 0.0)
+    return out
+
+
 def _accuracy(completions, *, use_llm_grader, llm_model, base_url, **columns) -> list[float | None]:
     n = len(completions)
     truths = _ground_truths(columns, n, "accuracy")
@@ -98,6 +110,15 @@ def _reasoning(completions, *, threshold, **columns) -> list[float]:
 def format_reward():
     """1.0 when the completion is the CRYSTAL JSON schema with non-empty string steps and an answer."""
     return RewardFunction("format", _format)
+
+
+def strict_format_reward():
+    """1.0 only when the whole completion is one CRYSTAL JSON object: nothing before or after it.
+
+    crystal-metrics' `format` repairs and extracts the outermost braces, so trailing text (a repeated
+    closing tag, a second answer) still scores 1; this one does not, which stops format drift in RL.
+    """
+    return RewardFunction("strict_format", _strict_format)
 
 
 def accuracy_reward(use_llm_grader: bool = False, llm_model: str = "llama3.2",

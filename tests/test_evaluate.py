@@ -189,3 +189,13 @@ def test_select_best_picks_the_checkpoint_with_the_highest_accuracy(tiny_data, t
     assert written == result
     assert os.path.isfile(run / "eval" / "checkpoint-2" / "metrics.json")
     shutil.rmtree(run)
+
+
+def test_reasoning_states_answer():
+    from utils.evaluation import reasoning_states_answer
+
+    assert reasoning_states_answer(["I see circles", "There are 3 circles"], "3")
+    assert not reasoning_states_answer(["There are 4 circles"], "3")  # right or wrong answer, reasons disagree
+    assert not reasoning_states_answer(["There are 13 circles"], "3")  # whole words only
+    assert not reasoning_states_answer([], "3") and not reasoning_states_answer(["There are 3"], "")
+    assert reasoning_states_answer(["So the shape is Red"], "red")

@@ -369,3 +369,11 @@ def test_trl_rewards_load_through_the_registry():
     fn = get_reward("trl.rewards:think_format_reward")
     chat = [[{"role": "assistant", "content": "<think>a</think>b"}], [{"role": "assistant", "content": "b"}]]
     assert fn(chat) == [1.0, 0.0]
+
+
+def test_strict_format_rejects_text_around_the_json():
+    fn = get_reward("strict_format")
+    good = '{"reasoning_steps": ["There are 2 circles"], "answer": "2"}'
+    assert fn([good, " " + good + "\n", good + "}}", "Answer: " + good, '{"answer": "2"}']) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    # crystal-metrics' lenient format accepts the trailing braces that strict_format rejects
+    assert get_reward("format")([good + "}}"]) == [1.0]

@@ -178,15 +178,28 @@ def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=3
     texts = generate_answers(model, processor, rows, prompt_template=prompt_template, system_prompt=system_prompt,
                              batch_size=batch_size, max_new_tokens=max_new_tokens, accelerator=accelerator)
     grade = AnswerGrader()
-    correct, answered = [], []
+    correct, answered, agrees = [], [], []
     for row, text in zip(rows, texts):
-        _, answer = parse_completion(text, prompt_template=prompt_template)
+        steps, answer = parse_completion(text, prompt_template=prompt_template)
         answered.append(bool(answer))
         correct.append(grade(render_question(row["question"], row.get("choices")), answer, row["answer"]))
+        agrees.append(reasoning_states_answer(steps, answer))
     out = {"accuracy": sum(correct) / max(len(rows), 1), "format": sum(answered) / max(len(rows), 1),
-           "samples": len(rows)}
+           "samples": len(rows),
+           # of the answered completions, the share whose last reasoning step states the given answer
+           "reasoning_agrees": sum(agrees) / max(sum(answered), 1)}
     out.update(group_means(rows, correct, group_by, "accuracy"))
     return out
+
+
+def reasoning_states_answer(steps, answer):
+    """True when the last reasoning step names the answer (as a whole word): "There are 3 circles" -> "3".
+
+    The "right answer, wrong reasons" check: a model can learn to output answers its reasoning does not support.
+    """
+    if not steps or not answer:
+        return False
+    return re.search(rf"(?<![\w.]){re.escape(str(answer).strip())}(?![\w.])", str(steps[-1]), re.IGNORECASE) is not None
 
 
 def group_means(rows, values, group_by, name):
@@ -316,3 +329,29 @@ def load_texts(path):
     if not isinstance(data, dict):
         raise ValueError(f"--compare: {path} is not a JSON object keyed by sample id")
     return [" ".join(v.get("reasoning_steps") or []) + " " + str(v.get("answer", "")) for v in data.values()]
+
+
+def load_eval_set(cfg, accelerator):
+    """The held-out VQA set of a train script's `--eval_dataset_name` (None when not set), columns mapped
+    with the same flags as the training data."""
+    if not cfg.eval_dataset_name:
+        return None
+    from utils.data import load_vqa
+    from utils.tiny import TINY_DATASET, shapes_dataset_path
+
+    with accelerator.main_process_first():
+        path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
+    return load_vqa(path, split=cfg.eval_split, image_column=cfg.image_column, question_column=cfg.question_column,
+                    answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
+                    require_steps=False)
+
+
+def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template):
+    """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes."""
+    from utils.rollout import unwrap_for_generation
+
+    with unwrap_for_generation(policy, accelerator) as unwrapped:
+        return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=prompt_template,
+                                system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
+                                max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
+                                accelerator=accelerator)

@@ -264,3 +264,18 @@ def load_flow_model(path, *, dtype="float32") -> dict:
     out = {name: cls.from_pretrained(path, subfolder=name, torch_dtype=torch_dtype) for name, cls in classes.items()}
     out["scheduler"] = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
     return out
+
+
+def prepare_for_training(model, cfg):
+    """Gradient checkpointing and LoRA as the train scripts' flags ask (`gradient_checkpointing`,
+    `use_peft`, `lora_r`, `lora_alpha`, `lora_dropout`, `lora_target_modules`); returns the model to train."""
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    return model
