@@ -199,3 +199,39 @@ def test_reasoning_states_answer():
     assert not reasoning_states_answer(["There are 13 circles"], "3")  # whole words only
     assert not reasoning_states_answer([], "3") and not reasoning_states_answer(["There are 3"], "")
     assert reasoning_states_answer(["So the shape is Red"], "red")
+
+
+def test_base_url_generates_through_an_openai_compatible_server(tmp_path):
+    """evaluate.py --base_url: images go as data URLs, each row gets seed + index, answers are scored."""
+    import json as _json
+
+    from evaluate import EvalConfig
+    from evaluate import main as evaluate_main
+    from tests.test_reward_servers import Loopback, _chat_reply
+    from utils.synthetic import make_shapes_vqa
+
+    data = tmp_path / "shapes"
+    rows = make_shapes_vqa(4, seed=2, kinds=("count",))
+    rows.save_to_disk(str(data))
+    answers = {r["question"]: r["answer"] for r in rows}
+    seen = []
+
+    def respond(attempt, path, body):
+        request = _json.loads(body)
+        content = request["messages"][-1]["content"]
+        assert path == "/v1/chat/completions" and request["model"] == "served"
+        assert any(p["type"] == "image_url" and p["image_url"]["url"].startswith("data:image/") for p in content)
+        question = next(p["text"] for p in content if p["type"] == "text")
+        seen.append(request["seed"])
+        answer = answers[question] if request["seed"] % 2 == 0 else "9"  # odd rows answer wrongly
+        return _chat_reply(_json.dumps({"reasoning_steps": ["I count them"], "answer": answer}))
+
+    server = Loopback(respond)
+    try:
+        evaluate_main(EvalConfig(base_url=server.url + "/v1", served_model_name="served", dataset=str(data),
+                                 split="train", metrics=["accuracy"], seed=10, output_dir=str(tmp_path / "out")))
+    finally:
+        server.close()
+    assert sorted(seen) == [10, 11, 12, 13]
+    metrics = _json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["accuracy"] == 0.5
