@@ -366,6 +366,7 @@ def test_rewards_pickle_and_take_trl_keywords(corpus, spr):
 
 
 def test_trl_rewards_load_through_the_registry():
+    pytest.importorskip("trl", reason="TRL is a dev-only install (requirements-dev.txt)")
     fn = get_reward("trl.rewards:think_format_reward")
     chat = [[{"role": "assistant", "content": "<think>a</think>b"}], [{"role": "assistant", "content": "b"}]]
     assert fn(chat) == [1.0, 0.0]
