@@ -117,16 +117,7 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
     try:
         batch = processor(**kwargs)
     except (ValueError, IndexError, RuntimeError) as err:
-        # Find the offending sample so the user knows which row to fix.
-        for sid, text, imgs in zip(sample_ids, texts, images):
-            try:
-                single = dict(text=[text], return_tensors="pt")
-                if imgs:
-                    single["images"] = [list(imgs)]
-                processor(**single)
-            except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
-                raise ValueError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
-        raise
+        raise_for_sample(processor, sample_ids, texts, images, err)
     finally:
         tokenizer.padding_side = previous_side
     if max_prompt_length:
@@ -138,6 +129,17 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
                     f"--max_prompt_length {max_prompt_length}; raise the flag or lower --max_pixels"
                 )
     return batch
+
+
+def raise_for_sample(processor, sample_ids, texts, images, err):
+    """A batch failed in the processor: re-run it sample by sample and raise an error naming the sample at
+    fault (image placeholders that do not match the images), or re-raise `err` if none fails alone."""
+    for sid, text, imgs in zip(sample_ids, texts, images):
+        try:
+            processor(text=[text], **({"images": [list(imgs)]} if imgs else {}))
+        except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
+            raise ValueError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
+    raise err
 
 
 @contextlib.contextmanager
@@ -273,6 +275,11 @@ class CompletionLogProbs(nn.Module):
         prompt_length = prompt_inputs["input_ids"].shape[1]
         # The hidden state at position i predicts token i + 1.
         hidden = hidden[:, prompt_length - 1 : -1, :]
+        return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
+
+    @staticmethod
+    def _head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy):
+        """Log-probs of the completion tokens from the hidden states that predict them (padding ignored)."""
         labels = completion_ids.masked_fill(completion_mask == 0, -100)
         head = core.get_output_embeddings()
         return fused_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
@@ -308,10 +315,7 @@ class CompletionLogProbs(nn.Module):
         out = base(input_ids=completion_ids, attention_mask=full_mask, position_ids=completion_pos,
                    cache=cache, use_cache=True)
         hidden = torch.cat([last[idx][:, None], out.last_hidden_state[:, :-1]], 1)
-        labels = completion_ids.masked_fill(completion_mask == 0, -100)
-        head = core.get_output_embeddings()
-        return fused_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
-                                    return_entropy=return_entropy)
+        return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
 
 
 def can_share_prompts(model, images_per_prompt):

@@ -24,6 +24,7 @@ import torch
 
 from utils.data import IMAGE_MARKER, images_of
 from utils.prompts import RESPONSE_TEMPLATES, build_messages
+from utils.rollout import raise_for_sample
 
 IGNORE_INDEX = -100
 
@@ -132,12 +133,7 @@ def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length
     try:
         batch = processor(**kwargs)
     except (ValueError, IndexError, RuntimeError) as err:
-        for sid, text, imgs in zip(sample_ids, texts, images):
-            try:
-                processor(text=[text], **({"images": [list(imgs)]} if imgs else {}))
-            except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
-                raise ValueError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
-        raise
+        raise_for_sample(processor, sample_ids, texts, images, err)
 
     offsets = batch.pop("offset_mapping")
     replacements = batch.pop("text_replacement_offsets", None)
