@@ -34,6 +34,7 @@ from utils.data import load_vqa, render_question
 from utils.evaluation import (DEFAULT_ALPHA, DEFAULT_EMBEDDING_MODEL, AnswerGrader, compare_keywords, crystal_files,
                               crystal_scores, generate_answers, generate_answers_remote, group_means,
                               keyword_frequencies, load_texts, parse_completion, resolve_embedding_model)
+from utils.launch import set_cpu_threads
 from utils.prompts import PROMPT_TEMPLATES
 from utils.tiny import TINY_DATASET, shapes_dataset_path
 
@@ -72,6 +73,7 @@ class EvalConfig:
     batch_size: int = 32
     temperature: float = field(default=0.0, metadata={"help": "<= 0: greedy"})
     seed: int = 0
+    cpu_threads: Optional[int] = field(default=None, metadata={"help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's processes"})
     # scoring
     metrics: list[str] = field(default_factory=lambda: ["crystal", "math", "keywords"])
     embedding_model: str = field(default=DEFAULT_EMBEDDING_MODEL, metadata={"help": "sentence-transformers model for Match F1; the default is the packaged offline MiniLM"})
@@ -263,6 +265,7 @@ def print_table(metrics):
 
 def main(cfg: EvalConfig):
     validate(cfg)
+    set_cpu_threads(cfg.cpu_threads)
     rows = load_rows(cfg)
     if cfg.select_best:
         return select_best(cfg, rows)

@@ -28,7 +28,7 @@ from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.curriculum import CurriculumSampler, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
 from utils.hub import HubUploader
-from utils.launch import relaunch_multi_cpu_if_needed
+from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import load_model_and_processor, prepare_for_training
@@ -112,6 +112,7 @@ class GRPOConfig:
     max_steps: int = -1
     num_train_epochs: float = 1.0
     seed: int = 42
+    cpu_threads: Optional[int] = field(default=None, metadata={"help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's processes"})
     # run
     output_dir: str = "outputs/grpo"
     logging_steps: int = 1
@@ -164,6 +165,7 @@ def main(cfg: GRPOConfig):
                               mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
                               project_dir=cfg.output_dir)
     validate(cfg, accelerator.num_processes)
+    set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
     rank, world = accelerator.process_index, accelerator.num_processes
     B, G, GA, mu = cfg.per_device_train_batch_size, cfg.num_generations, cfg.gradient_accumulation_steps, cfg.num_iterations

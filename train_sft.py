@@ -29,6 +29,7 @@ from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, sav
 from utils.data import load_sharegpt, load_vqa
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
+from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
@@ -85,6 +86,7 @@ class SFTConfig:
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     seed: int = 42
+    cpu_threads: Optional[int] = field(default=None, metadata={"help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's processes"})
     # held-out evaluation (greedy answer accuracy on CRYSTAL VQA rows)
     eval_dataset_name: Optional[str] = field(default=None, metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
     eval_split: str = "test"
@@ -160,6 +162,7 @@ def main(cfg: SFTConfig):
                               mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
                               project_dir=cfg.output_dir)
     validate(cfg)
+    set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
     rank, world = accelerator.process_index, accelerator.num_processes
     B, GA = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
@@ -289,5 +292,6 @@ def main(cfg: SFTConfig):
 
 
 if __name__ == "__main__":
+    relaunch_multi_cpu_if_needed()
     # With no arguments, run the tiny CPU recipe.
     main(parse_config(SFTConfig, sys.argv[1:] or ["--config", TINY_SFT_RECIPE]))

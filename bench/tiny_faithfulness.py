@@ -7,7 +7,9 @@ For each recipe and seed it runs `train_grpo.py --config recipes/<recipe>.yaml -
 that run's train_summary.json exists), then `evaluate.py --metrics crystal` on the final checkpoint, and
 prints held-out accuracy before and after GRPO with two faithfulness measures of the reasoning: Match F1
 of the reasoning steps against the reference steps (crystal-metrics, offline MiniLM), and the share of
-answered completions whose last reasoning step states the answer the completion gives.
+answered completions whose last reasoning step states the answer the completion gives. It also splits
+accuracy by question kind ("How many circles?" = count, "How many red shapes?" = count_color) and gives the
+share of count_color answers that equal the number of objects of any colour (a colour-blind count).
 """
 
 import argparse
@@ -24,6 +26,27 @@ def run(cmd):
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
+def kind_breakdown(generations_path):
+    """{"count": acc, "count_color": acc, "colour_blind": share} of an evaluate.py generations.jsonl."""
+    import datasets
+
+    from utils.tiny import shapes_dataset_path
+
+    test = datasets.load_from_disk(shapes_dataset_path())["test"].select_columns(["id", "kind", "objects"])
+    meta = {r["id"]: (r["kind"], len(json.loads(r["objects"]))) for r in test}
+    acc, blind = {}, []
+    with open(generations_path) as f:
+        for line in f:
+            row = json.loads(line)
+            kind, n_objects = meta[row["id"]]
+            acc.setdefault(kind, []).append(bool(row["correct"]))
+            if kind == "count_color":
+                blind.append(row["predicted_answer"] == str(n_objects))
+    out = {kind: sum(v) / len(v) for kind, v in acc.items()}
+    out["colour_blind"] = sum(blind) / max(len(blind), 1)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["tiny_grpo", "tiny_answer_only"])
@@ -31,7 +54,21 @@ def main():
     parser.add_argument("--out", default="outputs/faithfulness")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
+    sys.path.insert(0, REPO)
+    os.chdir(REPO)  # the tiny cache and --out are relative to the repository
     rows = []
+    warm = os.path.join(args.out, "warm-start-eval")
+    if not os.path.exists(os.path.join(REPO, warm, "metrics.json")):
+        from utils.tiny import tiny_sft_path
+
+        run([sys.executable, "evaluate.py", "--model", tiny_sft_path(), "--dataset", "synthetic:shapes", "--split", "test",
+             "--metrics", "crystal", "--max_new_tokens", "128", "--batch_size", "64", "--output_dir", warm])
+    with open(os.path.join(REPO, warm, "metrics.json")) as f:
+        warm_scores = json.load(f)
+    warm_kinds = kind_breakdown(os.path.join(REPO, warm, "generations.jsonl"))
+    print(f"warm start: accuracy {warm_scores['accuracy']:.3f}, Match F1 {warm_scores['match_f1']:.3f}, "
+          f"count {warm_kinds['count']:.3f}, count_color {warm_kinds['count_color']:.3f}, "
+          f"colour-blind count_color answers {warm_kinds['colour_blind']:.3f}")
     for recipe in args.recipes:
         for seed in args.seeds:
             out = os.path.join(args.out, f"{recipe}-seed{seed}")
@@ -53,15 +90,16 @@ def main():
                              accuracy_after=summary.get("heldout_accuracy_after"),
                              reasoning_agrees_before=summary.get("heldout_reasoning_agrees_before"),
                              reasoning_agrees_after=summary.get("heldout_reasoning_agrees_after"),
-                             match_f1=crystal.get("match_f1"), train_runtime=summary.get("train_runtime")))
+                             match_f1=crystal.get("match_f1"), train_runtime=summary.get("train_runtime"),
+                             **kind_breakdown(os.path.join(REPO, eval_dir, "generations.jsonl"))))
     print("\n| recipe | seed | held-out accuracy before -> after | reasoning states the answer before -> after "
-          "| Match F1 after | GRPO seconds |")
-    print("|---|---|---|---|---|---|")
+          "| Match F1 after | count | count_color | colour-blind count_color answers | GRPO seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
         print(f"| {r['recipe']} | {r['seed']} | {fmt(r['accuracy_before'])} -> {fmt(r['accuracy_after'])} | "
               f"{fmt(r['reasoning_agrees_before'])} -> {fmt(r['reasoning_agrees_after'])} | {fmt(r['match_f1'])} | "
-              f"{fmt(r['train_runtime'])} |")
+              f"{fmt(r['count'])} | {fmt(r['count_color'])} | {fmt(r['colour_blind'])} | {fmt(r['train_runtime'])} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,4 +1,5 @@
-"""Make `accelerate launch --cpu --num_processes N script.py` start N processes.
+"""CPU launch fixes: start the N processes `accelerate launch --cpu --num_processes N` asked for, and give
+each process its share of the cores.
 
 For `--cpu`, accelerate's simple launcher starts one process and expects mpirun to fan it out; without
 an MPI hostfile it silently runs a single process with world size 1. The launcher does leave its
@@ -42,3 +43,24 @@ def relaunch_multi_cpu_if_needed():
            sys.argv[0], *sys.argv[1:]]
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
+
+
+def set_cpu_threads(requested=None):
+    """Give torch this process's share of the cores when it runs on the CPU; returns the thread count set.
+
+    `accelerate launch` without `--cpu` exports OMP_NUM_THREADS=1 (it spreads cores only for `--cpu`
+    runs), which leaves all but one core idle on a machine without a GPU. `requested` (a script's
+    `--cpu_threads`) wins; otherwise the cores this process may run on are split evenly between the
+    processes on this machine (LOCAL_WORLD_SIZE). On a GPU machine nothing is changed (returns None).
+    """
+    import torch
+
+    if torch.cuda.is_available() and requested is None:
+        return None
+    if requested is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        requested = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if requested < 1:
+        raise ValueError(f"--cpu_threads {requested}: must be at least 1")
+    torch.set_num_threads(requested)
+    return requested
