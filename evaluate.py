@@ -42,8 +42,6 @@ METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
 
 
-
-
 @dataclass
 class EvalConfig:
     # what generates

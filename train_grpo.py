@@ -27,6 +27,7 @@ from utils.args import choice, config_to_dict, parse_config, save_config
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.curriculum import CurriculumSampler, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
+from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
@@ -39,10 +40,7 @@ from utils.rollout import (CompletionLogProbs, can_share_prompts, completion_see
                            prepare_reference_model, special_token_ids_to_suppress,
                            unwrap_for_generation)
 from utils.vllm_rollout import VLLMRollout, require_vllm
-from utils.evaluation import evaluate_policy, load_eval_set
 from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
-
-
 
 
 @dataclass
@@ -477,8 +475,6 @@ def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, 
             raise ValueError(f"--rating_column {cfg.rating_column!r} is not a column; columns: {dataset.column_names}")
         error_rates = combine_with_rating(error_rates, dataset[cfg.rating_column])
     return levels_from_scores(error_rates, split=cfg.difficulty_split, thresholds=tuple(cfg.difficulty_thresholds))
-
-
 
 
 if __name__ == "__main__":

