@@ -1,13 +1,16 @@
 # Two commands for a fresh machine with only Python: `make demo` and `make test`.
-# Both create .venv and install requirements.txt first; the install is skipped while
-# requirements.txt is unchanged (a stamp file named after its hash).
+# Both create .venv and install the pinned requirements first; an install is skipped while its
+# requirements file is unchanged (a stamp file named after its hash).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-REQ_HASH := $(shell sha1sum requirements.txt | cut -c1-12)
+REQ_HASH := $(shell cat requirements.txt | sha1sum | cut -c1-12)
+DEV_HASH := $(shell cat requirements.txt requirements-dev.txt | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
+DEV_STAMP := $(VENV)/.dev-installed-$(DEV_HASH)
+FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig
 
-.PHONY: install demo test test-fast bench
+.PHONY: install install-dev demo test test-fast lint docs
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,13 +18,27 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	rm -f $(VENV)/.dev-installed-* && touch $(DEV_STAMP)
+
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 demo: install
 	$(VENV)/bin/accelerate launch train_grpo.py
 
-test: install
+lint: install-dev
+	$(VENV)/bin/ruff check .
+
+# The test suite: lint, then every test (the end-to-end ones are marked slow).
+test: lint
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
+
+# docs/flags.md is generated from the config dataclasses; tests/test_docs.py fails when it is stale.
+docs: install
+	$(PY) -m utils.config docs/flags.md $(FLAG_SOURCES)

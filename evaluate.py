@@ -29,14 +29,23 @@ from typing import Optional
 
 import torch
 
-from utils.args import choice, config_to_dict, parse_config
+from tiny.cache import TINY_DATASET, shapes_dataset_path
+from utils.config import choice, config_to_dict, parse_config
 from utils.data import load_vqa, render_question
-from utils.evaluation import (DEFAULT_ALPHA, DEFAULT_EMBEDDING_MODEL, AnswerGrader, compare_keywords, crystal_files,
-                              crystal_scores, generate_answers, generate_answers_remote, group_means,
-                              keyword_frequencies, load_texts, parse_completion, resolve_embedding_model)
+from utils.evaluation import generate_answers, generate_answers_remote
+from utils.keywords import compare_keywords, keyword_frequencies, load_texts
 from utils.launch import set_cpu_threads
 from utils.prompts import PROMPT_TEMPLATES
-from utils.tiny import TINY_DATASET, shapes_dataset_path
+from utils.scoring import (
+    DEFAULT_ALPHA,
+    DEFAULT_EMBEDDING_MODEL,
+    AnswerGrader,
+    crystal_files,
+    crystal_scores,
+    group_means,
+    parse_completion,
+    resolve_embedding_model,
+)
 
 METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
@@ -46,43 +55,51 @@ SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "
 class EvalConfig:
     # what generates
     model: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or hub name"})
-    base_url: Optional[str] = field(default=None, metadata={"help": "OpenAI-compatible server (e.g. vLLM) instead of --model"})
-    served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
-    dtype: str = choice("auto", "float32", "bfloat16", "float16")
-    attn_implementation: Optional[str] = None
-    max_pixels: Optional[int] = None
-    min_pixels: Optional[int] = None
-    max_anyres_num: Optional[int] = None
+    base_url: Optional[str] = field(default=None,
+                                    metadata={"help": "OpenAI-compatible server (e.g. vLLM) instead of --model"})
+    served_model_name: Optional[str] = None  # model name the --base_url server serves
+    api_key: Optional[str] = None  # API key for --base_url; none: EMPTY
+    dtype: str = choice("auto", "float32", "bfloat16", "float16")  # weights dtype when loading a checkpoint
+    attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
+    max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
+    min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
+    max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
     # data
     dataset: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file"})
-    split: str = "test"
-    image_column: str = "image"
-    question_column: str = "question"
-    answer_column: str = "answer"
-    steps_column: str = "reference_steps"
-    choices_column: Optional[str] = None
-    id_column: Optional[str] = None
-    max_samples: Optional[int] = None
+    split: str = "test"  # split of --dataset
+    image_column: str = "image"  # column with the image(s)
+    question_column: str = "question"  # column with the question text
+    answer_column: str = "answer"  # column with the ground-truth answer
+    steps_column: str = "reference_steps"  # column with the reference steps (needed by --metrics crystal)
+    choices_column: Optional[str] = None  # column with answer options; none: 'choices' or 'options' when present
+    id_column: Optional[str] = None  # column with sample ids; none: 'id' when present, else the row index
+    max_samples: Optional[int] = None  # score the first N rows; none: all
     # generation
-    prompt_template: str = choice(*PROMPT_TEMPLATES)
-    system_prompt: Optional[str] = None
-    max_new_tokens: int = 512
-    batch_size: int = 32
+    prompt_template: str = choice(*PROMPT_TEMPLATES)  # answer format asked for in the system prompt and parsed
+    system_prompt: Optional[str] = None  # replaces the template's system prompt
+    max_new_tokens: int = 512  # max tokens per generated answer
+    batch_size: int = 32  # prompts per generation batch (local --model)
     temperature: float = field(default=0.0, metadata={"help": "<= 0: greedy"})
-    seed: int = 0
-    cpu_threads: Optional[int] = field(default=None, metadata={"help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's processes"})
+    seed: int = 0  # sampling seed with --temperature > 0 (per row, batch-independent)
+    cpu_threads: Optional[int] = field(default=None, metadata={
+        "help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's "
+                "processes"})
     # scoring
-    metrics: list[str] = field(default_factory=lambda: ["crystal", "math", "keywords"])
-    embedding_model: str = field(default=DEFAULT_EMBEDDING_MODEL, metadata={"help": "sentence-transformers model for Match F1; the default is the packaged offline MiniLM"})
-    similarity_threshold: Optional[float] = field(default=None, metadata={"help": "default: crystal-metrics' threshold for the model"})
-    alpha: float = DEFAULT_ALPHA
-    order_metric: str = choice("kendall_tau", "lis")
-    group_by: list[str] = field(default_factory=lambda: ["difficulty"])
-    compare: Optional[str] = field(default=None, metadata={"help": "another evaluate.py output (folder, generations.jsonl or predictions.json) for the keyword comparison"})
+    metrics: list[str] = field(default_factory=lambda: ["crystal", "math", "keywords"], metadata={
+        "help": "any of crystal (Match F1, Ordered Match F1, accuracy), accuracy, math, keywords"})
+    embedding_model: str = field(default=DEFAULT_EMBEDDING_MODEL, metadata={
+        "help": "sentence-transformers model for Match F1; the default is the packaged offline MiniLM"})
+    similarity_threshold: Optional[float] = field(default=None, metadata={
+        "help": "default: crystal-metrics' threshold for the model"})
+    alpha: float = DEFAULT_ALPHA  # order sensitivity of Ordered Match F1; 0: not computed
+    order_metric: str = choice("kendall_tau", "lis")  # step-order measure of Ordered Match F1
+    group_by: list[str] = field(default_factory=lambda: ["difficulty"])  # break metrics down by these columns
+    compare: Optional[str] = field(default=None, metadata={
+        "help": "another evaluate.py output (folder, generations.jsonl or predictions.json) for the keyword "
+                "comparison"})
     # checkpoint selection
     select_best: Optional[str] = field(default=None, metadata={"help": "score every checkpoint-N in this folder"})
-    select_metric: str = choice(*SELECT_METRICS)
+    select_metric: str = choice(*SELECT_METRICS)  # metric that picks the --select_best checkpoint
     # output
     output_dir: Optional[str] = field(default=None, metadata={"help": "default: <model>/eval, or <select_best>/eval"})
 
@@ -126,13 +143,14 @@ def generate(cfg, model_path, rows):
                                        temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key)
     from utils.models import load_model_and_processor
 
-    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
+                                                attn_implementation=cfg.attn_implementation,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
                                                 max_anyres_num=cfg.max_anyres_num)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    return generate_answers(model, processor, rows, prompt_template=cfg.prompt_template, system_prompt=cfg.system_prompt,
-                            batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            seed=cfg.seed)
+    return generate_answers(model, processor, rows, prompt_template=cfg.prompt_template,
+                            system_prompt=cfg.system_prompt, batch_size=cfg.batch_size,
+                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
 
 
 def score(cfg, rows, texts, output_dir):
@@ -173,7 +191,8 @@ def score(cfg, rows, texts, output_dir):
     if "keywords" in cfg.metrics:
         metrics["keywords"] = keyword_frequencies(texts)
         if cfg.compare:
-            metrics["keywords_compare"] = compare_keywords(metrics["keywords"], keyword_frequencies(load_texts(cfg.compare)))
+            metrics["keywords_compare"] = compare_keywords(metrics["keywords"],
+                                                           keyword_frequencies(load_texts(cfg.compare)))
 
     with open(os.path.join(output_dir, "generations.jsonl"), "w", encoding="utf-8") as f:
         for record in records:

@@ -8,7 +8,7 @@ utils/sft_data.py), averaged over the assistant tokens of the whole optimizer st
 computed from the hidden states with `kernels.fused_token_logprobs` (no [tokens, vocab] logits).
 Data: CRYSTAL VQA rows (`--dataset_format crystal`: the target is built from reference_steps + answer in
 `--response_template` format) or sharegpt conversations (`--dataset_format sharegpt`, LLaMA-Factory /
-OpenVLThinker SFT files). DESIGN.md section 5.
+OpenVLThinker SFT files). docs/sft.md has the details.
 """
 
 import math
@@ -24,81 +24,92 @@ from accelerate.utils import set_seed
 from transformers import get_scheduler
 
 from kernels import fused_token_logprobs
-from utils.args import choice, config_to_dict, parse_config, save_config
-from utils.checkpoint import SeededSampler, load_checkpoint, resolve_resume, save_checkpoint
+from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
+from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from utils.config import choice, config_to_dict, parse_config, save_config
 from utils.data import load_sharegpt, load_vqa
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
-from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.logprobs import CompletionLogProbs, hf_core
 from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
-from utils.rollout import CompletionLogProbs, hf_core
+from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
-from utils.tiny import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
+from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 
 
 @dataclass
 class SFTConfig:
     # model
-    model_name_or_path: str = field(default=TINY_MODEL, metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
+    model_name_or_path: str = field(default=TINY_MODEL,
+                                    metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
     dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
-    attn_implementation: Optional[str] = None
-    freeze_vision_tower: bool = False
-    freeze_multi_modal_projector: bool = field(default=False, metadata={"help": "also freeze the vision-to-LM projector"})
-    gradient_checkpointing: bool = False
-    bf16: bool = False
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    max_pixels: Optional[int] = None
-    min_pixels: Optional[int] = None
-    max_anyres_num: Optional[int] = None
+    attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
+    freeze_vision_tower: bool = False  # freeze the vision encoder (its projector stays trainable)
+    freeze_multi_modal_projector: bool = field(default=False,
+                                               metadata={"help": "also freeze the vision-to-LM projector"})
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    bf16: bool = False  # bf16 mixed precision (accelerate autocast)
+    use_peft: bool = False  # train LoRA adapters instead of all weights
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA alpha (updates scaled by alpha / r)
+    lora_dropout: float = 0.05  # dropout on the LoRA branch input
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # modules LoRA wraps (or all-linear)
+    max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
+    min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
+    max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
     # data
-    dataset_name: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
-    dataset_split: str = "train"
-    dataset_format: str = choice("crystal", "sharegpt", help="crystal: VQA rows with reference_steps; sharegpt: messages + images")
-    response_template: str = choice(*RESPONSE_TEMPLATES, help="target format built from reference_steps + answer (crystal rows)")
-    prompt_template: Optional[str] = field(default=None, metadata={"help": "system prompt template; default: the response template's"})
-    system_prompt: Optional[str] = None
-    image_column: str = "image"
-    question_column: str = "question"
-    answer_column: str = "answer"
-    steps_column: str = "reference_steps"
-    choices_column: Optional[str] = None
-    messages_column: str = "messages"
-    images_column: str = "images"
-    max_length: int = 1024
+    dataset_name: str = field(default=TINY_DATASET, metadata={
+        "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
+    dataset_split: str = "train"  # split of --dataset_name to train on
+    dataset_format: str = choice("crystal", "sharegpt",
+                                 help="crystal: VQA rows with reference_steps; sharegpt: messages + images")
+    response_template: str = choice(*RESPONSE_TEMPLATES,
+                                    help="target format built from reference_steps + answer (crystal rows)")
+    prompt_template: Optional[str] = field(default=None, metadata={
+        "help": "system prompt template; default: the response template's"})
+    system_prompt: Optional[str] = None  # replaces the template's system prompt; sharegpt: added where a row has none
+    image_column: str = "image"  # column with the image(s) (crystal rows and the eval set)
+    question_column: str = "question"  # column with the question (crystal rows and the eval set)
+    answer_column: str = "answer"  # column with the answer (crystal rows and the eval set)
+    steps_column: str = "reference_steps"  # column with the reference steps the target is built from (crystal)
+    choices_column: Optional[str] = None  # column with answer options; none: 'choices' or 'options' when present
+    messages_column: str = "messages"  # column with the conversation (sharegpt rows)
+    images_column: str = "images"  # column with the image list (sharegpt rows)
+    max_length: int = 1024  # max tokens per conversation; only its last assistant turn may be cut
     # optimisation
-    learning_rate: float = 2e-5
-    lr_scheduler_type: str = "linear"
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    seed: int = 42
-    cpu_threads: Optional[int] = field(default=None, metadata={"help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's processes"})
+    learning_rate: float = 2e-5  # AdamW peak learning rate
+    lr_scheduler_type: str = "linear"  # transformers LR schedule; constant ignores --warmup_ratio
+    warmup_ratio: float = 0.0  # fraction of the steps with linear LR warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # clip the gradient norm to this; 0: no clipping
+    num_train_epochs: float = 1.0  # passes over the data when --max_steps <= 0 (may be fractional)
+    max_steps: int = -1  # optimizer steps to run; <= 0: from --num_train_epochs
+    per_device_train_batch_size: int = 8  # conversations per process per micro-batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    seed: int = 42  # seed of data order and init
+    cpu_threads: Optional[int] = field(default=None, metadata={
+        "help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's "
+                "processes"})
     # held-out evaluation (greedy answer accuracy on CRYSTAL VQA rows)
-    eval_dataset_name: Optional[str] = field(default=None, metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
-    eval_split: str = "test"
-    eval_samples: Optional[int] = 256
+    eval_dataset_name: Optional[str] = field(default=None,
+                                             metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
+    eval_split: str = "test"  # split of --eval_dataset_name
+    eval_samples: Optional[int] = 256  # evaluate the first N questions; none: all
     eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only after training)"})
-    eval_batch_size: int = 64
-    eval_max_new_tokens: int = 128
+    eval_batch_size: int = 64  # prompts per generation batch in evaluation
+    eval_max_new_tokens: int = 128  # max tokens per greedy evaluation answer
     # run
-    output_dir: str = "outputs/sft"
-    logging_steps: int = 1
-    save_steps: int = 500
-    save_total_limit: Optional[int] = None
-    resume_from_checkpoint: Optional[str] = None
-    report_to: Optional[str] = field(default="tensorboard", metadata={"help": "tensorboard, wandb, trackio, all or none"})
-    push_to_hub: bool = False
-    hub_model_id: Optional[str] = None
+    output_dir: str = "outputs/sft"  # checkpoints, logs, metrics and config.yaml go here
+    logging_steps: int = 1  # log metrics every N optimizer steps
+    save_steps: int = 500  # checkpoint every N optimizer steps and at the end
+    save_total_limit: Optional[int] = None  # keep the newest N checkpoints; none: keep all
+    resume_from_checkpoint: Optional[str] = None  # checkpoint folder, or latest (newest in --output_dir); none: fresh
+    report_to: Optional[str] = field(default="tensorboard",
+                                     metadata={"help": "tensorboard, wandb, trackio, all or none"})
+    push_to_hub: bool = False  # upload every checkpoint to --hub_model_id (in the background)
+    hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
 
 
 def validate(cfg):
@@ -154,7 +165,8 @@ def conversation(cfg, row):
 
 def main(cfg: SFTConfig):
     # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
                               project_dir=cfg.output_dir)
     validate(cfg)
@@ -170,7 +182,8 @@ def main(cfg: SFTConfig):
     eval_template = cfg.prompt_template or cfg.response_template
 
     # ---- model, optimiser ----
-    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
+                                                attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     if cfg.freeze_multi_modal_projector:
@@ -182,7 +195,8 @@ def main(cfg: SFTConfig):
     steps_per_epoch = math.ceil(len(dataset) / (B * world * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     # Stepped by hand once per optimizer step (not prepared), so the schedule does not depend on the world size.
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer,
+                              num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     accelerator.register_for_checkpointing(scheduler)

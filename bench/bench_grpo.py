@@ -111,7 +111,8 @@ def run_ours(spec):
         # No min-length flag in train_grpo.py: suppressing EOS for the whole completion is what
         # min_new_tokens = max_completion_length does inside HF generate.
         suppress = train_grpo.special_token_ids_to_suppress
-        train_grpo.special_token_ids_to_suppress = lambda tok, eos_ids: sorted(set(suppress(tok, eos_ids)) | set(eos_ids))
+        train_grpo.special_token_ids_to_suppress = (
+            lambda tok, eos_ids: sorted(set(suppress(tok, eos_ids)) | set(eos_ids)))
     marks = {}
     save = train_grpo.save_checkpoint
 
@@ -243,8 +244,8 @@ def worker(args):
 def prepare(args, workdir):
     """The tiny VLM folder and the shapes-VQA rows both frameworks train on."""
     sys.path.insert(0, REPO)
-    from utils.models import make_tiny_vlm
-    from utils.synthetic import make_shapes_vqa
+    from tiny.models import make_tiny_vlm
+    from tiny.shapes import make_shapes_vqa
 
     model = os.path.join(workdir, f"tiny-vlm-h{args.hidden_size}-l{args.num_hidden_layers}")
     data = os.path.join(workdir, f"shapes-{args.rows}")
@@ -263,7 +264,8 @@ def run_worker(framework, spec, workdir, tag):
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--spec", spec_path, "--result", result_path]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--spec", spec_path,
+           "--result", result_path]
     log_path = os.path.join(workdir, f"log-{tag}.txt")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -300,9 +302,9 @@ def print_table(rows, title):
           f"{'mean len':>9}   " + " ".join(f"{k:>10}" for k in PHASES + ("other",)))
     for r in rows:
         shares = " ".join(f"{100 * r['shares'][k]:>9.1f}%" for k in PHASES + ("other",))
-        print(f"{r['framework']:<10} {r['sec_per_step']:>7.3f} {r['sec_per_step_mean']:>7.3f} {r['sec_per_step_min']:>7.3f} "
-              f"{r['cpu_sec_per_step']:>7.3f} {r['completions_per_sec']:>8.2f} {r['peak_rss_mb']:>12.0f} "
-              f"{r['mean_completion_length']:>9.1f}   {shares}")
+        print(f"{r['framework']:<10} {r['sec_per_step']:>7.3f} {r['sec_per_step_mean']:>7.3f} "
+              f"{r['sec_per_step_min']:>7.3f} {r['cpu_sec_per_step']:>7.3f} {r['completions_per_sec']:>8.2f} "
+              f"{r['peak_rss_mb']:>12.0f} {r['mean_completion_length']:>9.1f}   {shares}")
     by = {r["framework"]: r for r in rows}
     if "ours" not in by or "trl" not in by:
         return {}

@@ -98,7 +98,8 @@ def _rss_mib():
 
 def run_config(cfg):
     device, dtype = cfg["device"], getattr(torch, cfg["dtype"])
-    hidden, weight, labels, upstream = make_inputs(cfg["n"], cfg["hidden"], cfg["vocab"], dtype, device, cfg["trainable"])
+    hidden, weight, labels, upstream = make_inputs(cfg["n"], cfg["hidden"], cfg["vocab"], dtype, device,
+                                                   cfg["trainable"])
     method = cfg["method"]
     # warm-up on a few rows: library initialisation, kernel compilation, imports
     step(method, hidden[:64].detach().requires_grad_(), weight, labels[:64], upstream[:64])
@@ -154,11 +155,11 @@ def cublas_seconds(n, hdim, vocab, dtype, trainable, repeats=3):
     weight = torch.randn(vocab, hdim, device="cuda", dtype=dtype)
     grad_logits = torch.randn(n, vocab, device="cuda", dtype=dtype)
 
-    def gemms():
-        hidden @ weight.t()
-        grad_logits @ weight
+    def gemms():  # the GEMMs of one forward + backward of the LM head, nothing else
+        products = [hidden @ weight.t(), grad_logits @ weight]
         if trainable:
-            grad_logits.t() @ hidden
+            products.append(grad_logits.t() @ hidden)
+        return products
 
     gemms()
     torch.cuda.synchronize()
@@ -168,9 +169,7 @@ def cublas_seconds(n, hdim, vocab, dtype, trainable, repeats=3):
         gemms()
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    del hidden, weight, grad_logits
-    torch.cuda.empty_cache()
-    return best
+    return best  # the tensors are freed with this frame
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +178,8 @@ def cublas_seconds(n, hdim, vocab, dtype, trainable, repeats=3):
 
 
 def format_table(rows, roofline, clock):
-    head = f"| N | head | method | {clock} time (s) | wall (s) | activation (MiB) | time / naive | time / trl | memory / naive | memory / trl |"
+    head = (f"| N | head | method | {clock} time (s) | wall (s) | activation (MiB) | time / naive | time / trl | "
+            "memory / naive | memory / trl |")
     if roofline:
         head += " TFLOP/s | cuBLAS TFLOP/s | of cuBLAS |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -194,8 +194,9 @@ def format_table(rows, roofline, clock):
             return f"{row[field] / ref[other][field]:.2f}" if other in ref and ref[other][field] > 0 else "-"
 
         line = (f"| {row['n']} | {'trainable' if row['trainable'] else 'frozen'} | {row['method']} | "
-                f"{row['seconds']:.2f} | {row['wall_seconds']:.2f} | {row['activation_mib']:.0f} | {ratio('seconds', 'naive')} | "
-                f"{ratio('seconds', 'trl')} | {ratio('activation_mib', 'naive')} | {ratio('activation_mib', 'trl')} |")
+                f"{row['seconds']:.2f} | {row['wall_seconds']:.2f} | {row['activation_mib']:.0f} | "
+                f"{ratio('seconds', 'naive')} | {ratio('seconds', 'trl')} | {ratio('activation_mib', 'naive')} | "
+                f"{ratio('activation_mib', 'trl')} |")
         if roofline:
             tflops = head_flops(row["n"], row["hidden"], row["vocab"], row["trainable"]) / row["wall_seconds"] / 1e12
             cublas = row.get("cublas_tflops")
@@ -215,7 +216,8 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=["naive", "trl", "ours"], choices=["naive", "trl", "ours"])
     parser.add_argument("--heads", nargs="+", default=["trainable", "frozen"], choices=["trainable", "frozen"])
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per configuration (best kept)")
-    parser.add_argument("--quick", action="store_true", help="N = 256, 512 and V = 32768: a few minutes on 2 shared cores")
+    parser.add_argument("--quick", action="store_true",
+                        help="N = 256, 512 and V = 32768: a few minutes on 2 shared cores")
     parser.add_argument("--clock", choices=["cpu", "wall"], default=None,
                         help="time the ratios use; default cpu (process CPU seconds, all threads) on the CPU, since "
                              "other processes sharing the machine distort wall time, and wall on CUDA")
@@ -238,8 +240,8 @@ def main(argv=None):
         print("trl is not installed: the TRL column is skipped (pip install trl==1.16.0)")
 
     print(f"device={args.device} dtype={dtype} H={args.hidden} V={vocab} threads={torch.get_num_threads()} "
-          f"repeats={repeats} clock={clock}; activation = peak {'RSS' if args.device == 'cpu' else 'allocated'} during fwd+bwd "
-          "minus inputs, weight and the returned gradients")
+          f"repeats={repeats} clock={clock}; activation = peak {'RSS' if args.device == 'cpu' else 'allocated'} "
+          "during fwd+bwd minus inputs, weight and the returned gradients")
     rows = []
     for n in tokens:
         for head in args.heads:

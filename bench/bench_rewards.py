@@ -39,7 +39,7 @@ def crystal_batch(rng: random.Random, prompts: int, group: int) -> tuple[list[st
         reference = [_sentence(rng, 10, 20) for _ in range(rng.randint(3, 6))]
         options = rng.sample(["red", "blue", "green", "yellow", "purple"], 4)
         answer = rng.choice([str(rng.randint(0, 9)), rng.choice("ABCD"), rng.choice(["Yes", "No"])])
-        question = "Which one?\n\n" + "\n".join(f"{l}) {o}" for l, o in zip("ABCD", options))
+        question = "Which one?\n\n" + "\n".join(f"{letter}) {o}" for letter, o in zip("ABCD", options))
         for _ in range(group):
             steps = [rng.choice([s, _sentence(rng, 12, 25)]) for s in reference]
             steps += [_sentence(rng, 12, 25) for _ in range(rng.randint(1, 3))]

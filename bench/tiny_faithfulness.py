@@ -39,7 +39,7 @@ def held_out_objects():
     """id -> (question kind, number of objects) of the held-out shapes questions."""
     import datasets
 
-    from utils.tiny import shapes_dataset_path
+    from tiny.cache import shapes_dataset_path
 
     test = datasets.load_from_disk(shapes_dataset_path())["test"].select_columns(["id", "kind", "objects"])
     return {r["id"]: (r["kind"], len(json.loads(r["objects"]))) for r in test}
@@ -69,7 +69,7 @@ def main():
     args = parser.parse_args()
     sys.path.insert(0, REPO)
     os.chdir(REPO)  # the tiny cache and --out are relative to the repository
-    from utils.tiny import tiny_sft_path
+    from tiny.cache import tiny_sft_path
 
     meta = held_out_objects()
     warm = os.path.join(args.out, "warm-start-eval")

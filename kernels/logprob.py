@@ -15,6 +15,9 @@ Backends: "torch" loops over tiles with in-place torch ops (the CPU path, and th
 "triton" fuses the head matmul with the online logsumexp in one kernel (no logits are written at
 all) and folds the recomputed tiles of the backward in single-pass kernels, with the gradient
 matmuls left to cuBLAS. "auto" picks Triton for CUDA tensors.
+
+Over 400 lines on purpose: the Triton kernels sit beside the torch path they must equal, tile for tile,
+so that one file shows both and the tests compare them.
 """
 
 from __future__ import annotations

@@ -22,8 +22,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from rewards.common import (GENEVAL_METADATA_KEYS, RewardFunction, check_length, image_bytes, metadata_rows,
-                            process_rank)
+from rewards.common import GENEVAL_METADATA_KEYS, RewardFunction, check_length, image_bytes, metadata_rows, process_rank
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,12 @@
 """Difficulty curriculum and PCGrad: unit behaviour, and train_grpo.py runs that use them."""
 
+
 import pytest
 import torch
 
-from utils.curriculum import CurriculumSampler, combine_with_rating, levels_from_scores, stage_indices
+from utils.curriculum import combine_with_rating, levels_from_scores, stage_indices
 from utils.pcgrad import pcgrad_backward, pcgrad_combine
+from utils.samplers import CurriculumSampler
 
 
 def test_tertiles_and_thresholds():
@@ -69,8 +71,8 @@ def test_pcgrad_backward_writes_projected_gradients_into_params():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from utils.models import make_tiny_vlm
-    from utils.synthetic import make_shapes_vqa
+    from tiny.models import make_tiny_vlm
+    from tiny.shapes import make_shapes_vqa
 
     root = tmp_path_factory.mktemp("cur")
     data = str(root / "shapes")
@@ -90,7 +92,7 @@ def test_curriculum_from_column_trains_medium_then_hard(assets, tmp_path):
 
     from datasets import load_from_disk
 
-    from utils.logging import read_jsonl
+    from utils.tracking import read_jsonl
 
     grpo(assets, tmp_path, curriculum=["medium", "hard"], max_steps=2, save_steps=1, log_completions=8,
          reward_funcs=["tests.grpo_helpers:completion_length"])
@@ -116,14 +118,39 @@ def test_estimated_difficulty_with_rollouts_is_checkpointed(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_pcgrad_run(assets, tmp_path):
-    from utils.logging import read_jsonl
+def test_pcgrad_with_a_constant_second_reward_equals_plain_grpo(assets, tmp_path):
+    """A constant reward has zero advantage, hence a zero gradient that PCGrad projects nothing against: the
+    PCGrad run must take exactly the plain run's steps on the first reward (the losses, rewards and the KL
+    term through --beta all take part)."""
+    from utils.tracking import read_jsonl
 
-    grpo(assets, tmp_path, use_pcgrad=True, beta=0.04, max_steps=2,
-         reward_funcs=["tests.grpo_helpers:completion_length", "tests.grpo_helpers:negative_length"],
-         reward_weights=[1.0, 0.5])
-    metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    assert len(metrics) == 2 and all(m["loss"] == m["loss"] for m in metrics)
+    common = dict(beta=0.04, max_steps=3, num_iterations=1)
+    grpo(assets, tmp_path / "plain", reward_funcs=["tests.grpo_helpers:completion_length"], **common)
+    grpo(assets, tmp_path / "pcgrad", use_pcgrad=True, reward_weights=[1.0, 3.0],
+         reward_funcs=["tests.grpo_helpers:completion_length", "tests.grpo_helpers:always_one"], **common)
+    plain, pcgrad = read_jsonl(tmp_path / "plain" / "metrics.jsonl"), read_jsonl(tmp_path / "pcgrad" / "metrics.jsonl")
+    assert len(plain) == len(pcgrad) == 3
+    for a, b in zip(plain, pcgrad):
+        assert b["rewards/tests.grpo_helpers:completion_length"] == pytest.approx(a["reward"], rel=1e-5)
+        for key in ("loss", "kl", "completion_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert plain[-1]["kl"] > 0  # the policy moved, so equal steps are not a trivial match
+
+
+@pytest.mark.slow
+def test_pcgrad_removes_exactly_opposed_objectives(assets, tmp_path):
+    """Two rewards that are exact negatives give opposite gradients; PCGrad projects each onto the other's
+    normal plane, which leaves (up to rounding) nothing, while the plain weighted sum still has a gradient."""
+    from utils.tracking import read_jsonl
+
+    funcs = ["tests.grpo_helpers:completion_length", "tests.grpo_helpers:negative_length"]
+    common = dict(max_steps=1, reward_funcs=funcs, reward_weights=[1.0, 0.5])
+    grpo(assets, tmp_path / "pcgrad", use_pcgrad=True, **common)
+    grpo(assets, tmp_path / "plain", **common)
+    plain = read_jsonl(tmp_path / "plain" / "metrics.jsonl")[0]["grad_norm"]
+    projected = read_jsonl(tmp_path / "pcgrad" / "metrics.jsonl")[0]["grad_norm"]
+    assert plain > 1e-3
+    assert projected < 1e-4 * plain, (projected, plain)
 
 
 def test_accuracy_next_to_cpr_needs_explicit_flag(assets, tmp_path):

@@ -8,17 +8,10 @@ import datasets
 import pytest
 from PIL import Image
 
-from utils.data import (
-    DataValidationError,
-    load_geneval,
-    load_rl_rows,
-    load_sharegpt,
-    load_table,
-    load_tiif,
-    load_vqa,
-    render_question,
-)
-from utils.synthetic import make_shapes_vqa, make_t2i_prompts, shapes_vqa_rows, write_jsonl
+from tiny.shapes import make_shapes_vqa, shapes_vqa_rows
+from tiny.t2i import make_t2i_prompts, write_jsonl
+from utils.data import DataValidationError, load_rl_rows, load_sharegpt, load_table, load_vqa, render_question
+from utils.t2i_data import load_geneval, load_tiif
 
 
 def write_jsonl_rows(path, rows):
@@ -43,7 +36,8 @@ def vqa_dir(tmp_path):
     return tmp_path, rows
 
 
-MAPPING = dict(image_column="img", question_column="prompt", answer_column="label", steps_column="steps", id_column="uid")
+MAPPING = dict(image_column="img", question_column="prompt", answer_column="label", steps_column="steps",
+               id_column="uid")
 
 
 # ---------------------------------------------------------------------------- load_table: every format
@@ -91,7 +85,8 @@ def test_unknown_hub_name_and_missing_path_give_clear_errors(tmp_path):
 def test_load_vqa_maps_columns_and_resolves_relative_image_paths(vqa_dir):
     folder, rows = vqa_dir
     ds = load_vqa(str(folder / "train.jsonl"), **MAPPING)
-    assert ds.column_names[:8] == ["id", "image", "question", "answer", "reference_steps", "choices", "difficulty", "source"]
+    assert ds.column_names[:8] == ["id", "image", "question", "answer", "reference_steps", "choices", "difficulty",
+                                   "source"]
     assert ds["id"] == ["u0", "u1", "u2", "u3"]
     assert ds["question"] == [r["prompt"] for r in rows] and ds["answer"] == [r["label"] for r in rows]
     assert ds["reference_steps"] == [r["steps"] for r in rows]
@@ -99,7 +94,8 @@ def test_load_vqa_maps_columns_and_resolves_relative_image_paths(vqa_dir):
     assert ds["extra"] == [0, 1, 2, 3]  # other columns are kept for reward functions
     image = ds[2]["image"]
     assert isinstance(image, Image.Image) and image.size == (84, 84)
-    assert list(image.convert("RGB").getdata()) == list(Image.open(folder / "images" / "2.png").convert("RGB").getdata())
+    assert list(image.convert("RGB").getdata()) == list(
+        Image.open(folder / "images" / "2.png").convert("RGB").getdata())
 
 
 def test_load_vqa_reads_save_to_disk_and_parquet_with_stored_images(tmp_path):
@@ -227,13 +223,15 @@ def test_load_sharegpt_reads_messages_and_images(tmp_path, image_file):
          "images": []},
     ])
     ds = load_sharegpt(path)
-    assert ds[0]["messages"] == [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "red"}]
+    assert ds[0]["messages"] == [{"role": "user", "content": "<image>What colour?"},
+                                 {"role": "assistant", "content": "red"}]
     assert ds[1]["messages"][0] == {"role": "user", "content": "Hi"}
     assert ds[0]["images"][0].size == (10, 10) and ds[1]["images"] == []
 
 
 def test_sharegpt_marker_count_mismatch_and_bad_role_are_named(tmp_path, image_file):
-    ok = {"messages": [{"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": "A"}], "images": [image_file]}
+    ok = {"messages": [{"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": "A"}],
+          "images": [image_file]}
     two_markers = {"messages": [{"role": "user", "content": "<image><image>Q"}, {"role": "assistant", "content": "A"}],
                    "images": [image_file]}
     path = write_jsonl_rows(str(tmp_path / "sft.jsonl"), [ok, two_markers])

@@ -10,10 +10,10 @@ from datasets import Dataset, DatasetDict
 
 import evaluate
 from evaluate import EvalConfig, markdown_report, score
-from utils.evaluation import (compare_keywords, crystal_files, group_means, keyword_frequencies, load_texts,
-                              parse_completion, resolve_embedding_model)
-from utils.models import make_tiny_vlm
-from utils.synthetic import make_shapes_vqa
+from tiny.models import make_tiny_vlm
+from tiny.shapes import make_shapes_vqa
+from utils.keywords import compare_keywords, keyword_frequencies, load_texts
+from utils.scoring import crystal_files, group_means, parse_completion, resolve_embedding_model
 
 torch.set_num_threads(1)
 CLI = os.path.join(os.path.dirname(sys.executable), "crystal-metrics")
@@ -192,7 +192,7 @@ def test_select_best_picks_the_checkpoint_with_the_highest_accuracy(tiny_data, t
 
 
 def test_reasoning_states_answer():
-    from utils.evaluation import reasoning_states_answer
+    from utils.scoring import reasoning_states_answer
 
     assert reasoning_states_answer(["I see circles", "There are 3 circles"], "3")
     assert not reasoning_states_answer(["There are 4 circles"], "3")  # right or wrong answer, reasons disagree
@@ -208,7 +208,7 @@ def test_base_url_generates_through_an_openai_compatible_server(tmp_path):
     from evaluate import EvalConfig
     from evaluate import main as evaluate_main
     from tests.test_reward_servers import Loopback, _chat_reply
-    from utils.synthetic import make_shapes_vqa
+    from tiny.shapes import make_shapes_vqa
 
     data = tmp_path / "shapes"
     rows = make_shapes_vqa(4, seed=2, kinds=("count",))

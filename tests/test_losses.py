@@ -1,4 +1,4 @@
-"""The GRPO loss variants against hand-computed examples (DESIGN.md section 4)."""
+"""The GRPO loss variants against hand-computed examples (docs/grpo.md)."""
 
 import math
 

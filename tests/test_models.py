@@ -5,20 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
-from utils.models import (
-    FAMILIES,
-    ModelLoadError,
-    freeze_vision_tower,
-    is_vision_model,
-    load_flow_model,
-    load_model_and_processor,
-    make_tiny_flow_model,
-    make_tiny_llm,
-    make_tiny_tokenizer,
-    make_tiny_vlm,
-    tokenizer_corpus,
-)
-from utils.tiny_models import COLOURS, JSON_PUNCTUATION, SHAPES
+from tiny.models import load_flow_model, make_tiny_flow_model, make_tiny_llm, make_tiny_vlm
+from tiny.tokenizer import COLOURS, FAMILIES, JSON_PUNCTUATION, SHAPES, make_tiny_tokenizer, tokenizer_corpus
+from utils.models import ModelLoadError, freeze_vision_tower, is_vision_model, load_model_and_processor
 
 torch.set_num_threads(1)
 

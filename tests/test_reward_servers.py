@@ -15,9 +15,8 @@ import pytest
 from PIL import Image
 
 from rewards import get_reward
-from rewards.geneval import (GenEvalClient, RewardServerError, UnsafePickleError, safe_loads, server_endpoints)
+from rewards.geneval import GenEvalClient, RewardServerError, UnsafePickleError, safe_loads, server_endpoints
 from rewards.judge import JudgeClient, JudgeError, extract_json, tiif_answers
-
 
 # --- loopback server harness -------------------------------------------------------------------------------
 

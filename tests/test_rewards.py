@@ -37,7 +37,7 @@ def _answers(rng):
         pick = rng.choice("ABCD")
         pred = rng.choice([pick, f"({pick})", f"{pick}) {options['ABCD'.index(pick)]}",
                            options["ABCD".index(pick)], f"The answer is {pick}"])
-        question = "Which color?\n\n" + "\n".join(f"{l}) {o}" for l, o in zip("ABCD", options))
+        question = "Which color?\n\n" + "\n".join(f"{letter}) {o}" for letter, o in zip("ABCD", options))
         return gt, pred, question
     if kind == "yesno":
         gt = rng.choice(["Yes", "No"])
@@ -256,7 +256,8 @@ def test_length_penalty_counts_tokens_with_a_tokenizer():
 def test_shapes_t2i_wraps_the_local_scorer():
     from PIL import Image
 
-    from utils.synthetic import make_t2i_prompts, render_t2i, score_t2i
+    from tiny.detector import score_t2i
+    from tiny.t2i import make_t2i_prompts, render_t2i
 
     rows = make_t2i_prompts(12, seed=3)
     images = [render_t2i(r, image_size=64, seed=i) for i, r in enumerate(rows)]
@@ -271,6 +272,33 @@ def test_shapes_t2i_wraps_the_local_scorer():
     assert strict == [1.0, score_t2i(blank, rows[1])["strict"]]
     with pytest.raises(ValueError, match="images="):
         get_reward("shapes_t2i")(["x"], **{k: v[:1] for k, v in cols.items()})
+
+
+def test_shapes_t2i_behaviours_and_logging_keys():
+    from PIL import Image
+
+    from tiny.detector import score_t2i
+    from tiny.t2i import render_t2i
+
+    row = {"tag": "counting", "include": [{"class": "circle", "count": 2}],
+           "exclude": [{"class": "circle", "count": 3}], "prompt": "a photo of two circles"}
+    blank, good = Image.new("RGB", (32, 32), "white"), render_t2i(row, image_size=32, seed=0)
+    more = render_t2i({**row, "include": [{"class": "circle", "count": 3}]}, image_size=32, seed=0)
+    images = [blank, good, more]
+
+    def reward(**options):
+        return get_reward("shapes_t2i", **options)(["x"] * 3, images=images, metadata=[row] * 3)
+
+    assert reward() == reward(behaviour="tiny") == [0.0, 1.0, pytest.approx(2 / 2.5)]
+    assert reward(behaviour="geneval") == [0.5, 1.0, pytest.approx((1 + 2 / 3) / 2)]  # GenEval: exclude half-met
+    assert reward(behaviour="geneval") == [score_t2i(im, row, behaviour="geneval")["score"] for im in images]
+    assert reward(key="strict") == [0.0, 1.0, 0.0]
+    assert reward(key="detected") == [0.0, 2.0, 3.0] and reward(key="requested") == [2.0] * 3
+    assert reward(key="extra") == [0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="behaviour must be one of"):
+        get_reward("shapes_t2i", behaviour="gen_eval")
+    with pytest.raises(ValueError, match="key must be one of"):
+        get_reward("shapes_t2i", key="partial")
 
 
 # --- registry -----------------------------------------------------------------------------------------------

@@ -4,11 +4,12 @@
 import pytest
 import torch
 
-from utils.models import load_model_and_processor, make_tiny_llm, make_tiny_vlm
+from tiny.models import make_tiny_llm, make_tiny_vlm
+from tiny.shapes import make_shapes_vqa
+from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
+from utils.models import load_model_and_processor
 from utils.prompts import build_messages
-from utils.rollout import (CompletionLogProbs, can_share_prompts, completion_seeds, encode_prompts, expand_prompts,
-                           generate_completions)
-from utils.synthetic import make_shapes_vqa
+from utils.rollout import completion_seeds, encode_prompts, generate_completions
 
 
 @pytest.fixture(scope="module", params=["qwen", "text"])
@@ -23,7 +24,8 @@ def setup(request, tmp_path_factory):
     prompts = encode_prompts(processor, messages, images, sample_ids=["a", "b"])
     prompt_index = torch.tensor([0, 0, 0, 1, 1, 1])
     tok = getattr(processor, "tokenizer", processor)
-    ids, mask = generate_completions(model, expand_prompts(prompts, prompt_index), row_seeds=completion_seeds(0, 0, range(6)),
+    ids, mask = generate_completions(model, expand_prompts(prompts, prompt_index),
+                                     row_seeds=completion_seeds(0, 0, range(6)),
                                      max_new_tokens=7, temperature=1.0, eos_token_id=[tok.eos_token_id],
                                      pad_token_id=tok.pad_token_id)
     return model, prompts, prompt_index, ids, mask, images

@@ -8,11 +8,13 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_sft
+from tiny.models import make_tiny_llm, make_tiny_vlm
+from tiny.shapes import make_shapes_vqa
+from tiny.tokenizer import FAMILIES
 from train_sft import AssistantNLL, SFTConfig, main, validate
-from utils.models import FAMILIES, load_model_and_processor, make_tiny_llm, make_tiny_vlm
+from utils.models import load_model_and_processor
 from utils.prompts import crystal_json_target
-from utils.sft_data import (IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation)
-from utils.synthetic import make_shapes_vqa
+from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
 
 torch.set_num_threads(1)
 
@@ -199,7 +201,7 @@ def test_impossible_flag_combinations_fail_before_loading():
 
 
 def test_recipes_parse():
-    from utils.args import parse_config
+    from utils.config import parse_config
 
     tiny = parse_config(SFTConfig, ["--config", train_sft.TINY_SFT_RECIPE])
     assert tiny.output_dir == "outputs/tiny-sft" and tiny.report_to is None and tiny.eval_dataset_name
@@ -303,4 +305,5 @@ def test_two_processes_match_one_process(tiny, shapes, tmp_path):
     assert len(rows[1]) == len(rows[2]) == 2
     for a, b in zip(rows[1], rows[2]):
         assert a["tokens"] == b["tokens"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert (a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+                and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from utils.models import make_tiny_vlm
+from tiny.models import make_tiny_vlm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,10 +12,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
+from tiny.shapes import make_shapes_vqa
+from utils.logprobs import CompletionLogProbs
 from utils.models import load_model_and_processor  # noqa: E402
 from utils.prompts import build_messages  # noqa: E402
-from utils.rollout import CompletionLogProbs, completion_seeds, encode_prompts, generate_completions, zero3_gathered  # noqa: E402
-from utils.synthetic import make_shapes_vqa  # noqa: E402
+from utils.rollout import completion_seeds, encode_prompts, generate_completions, zero3_gathered
 
 model_dir, out_path = sys.argv[1], sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")

@@ -1,16 +1,13 @@
 """Difficulty curricula (OpenVLThinker): bucket training questions into easy / medium / hard and train
-the chosen buckets in order (default medium then hard; easy questions teach little).
+the chosen buckets in order (default medium then hard; easy questions teach little). The sampler that
+walks the stages is `utils.samplers.CurriculumSampler`.
 
 A question's difficulty is its `difficulty` column when the data set has one, or a score in [0, 1]:
 the error rate of the current model over k sampled answers, optionally averaged with a quality rating
 r in [0, 1] as (error_rate + (1 - r)) / 2. Scores split into tertiles or at fixed thresholds.
 """
 
-import math
-
 import torch
-
-from utils.checkpoint import SeededSampler
 
 LEVELS = ("easy", "medium", "hard")
 
@@ -57,33 +54,3 @@ def stage_indices(levels, curriculum):
             counts = {lv: sum(1 for x in levels if x == lv) for lv in LEVELS}
             raise ValueError(f"--curriculum stage {name!r} has no questions (difficulty counts: {counts})")
     return stages
-
-
-class CurriculumSampler:
-    """Prompt indices stage by stage: stage s owns steps [s * steps_per_stage, (s + 1) * steps_per_stage).
-
-    The stage follows from the global step, and each stage keeps its own seeded sampler whose position
-    goes into the checkpoint, so resuming lands on the same stage and the same next question.
-    """
-
-    def __init__(self, stages, *, seed, total_steps):
-        self.names = list(stages)
-        self.indices = [list(v) for v in stages.values()]
-        self.samplers = [SeededSampler(len(ix), seed=seed + s) for s, ix in enumerate(self.indices)]
-        self.steps_per_stage = max(1, math.ceil(total_steps / len(self.names)))
-
-    def stage(self, global_step):
-        return min(global_step // self.steps_per_stage, len(self.names) - 1)
-
-    def take(self, n, global_step):
-        s = self.stage(global_step)
-        return [self.indices[s][i] for i in self.samplers[s].take(n)]
-
-    def state_dict(self):
-        return {"names": self.names, "samplers": [s.state_dict() for s in self.samplers]}
-
-    def load_state_dict(self, state):
-        if state["names"] != self.names:
-            raise ValueError(f"checkpoint curriculum {state['names']} differs from --curriculum {self.names}")
-        for sampler, s in zip(self.samplers, state["samplers"]):
-            sampler.load_state_dict(s)

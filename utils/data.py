@@ -1,4 +1,5 @@
-"""Dataset loading and up-front validation for every format in DESIGN.md section 3.
+"""Dataset loading and up-front validation of the VQA, sharegpt (SFT) and RL-row formats (docs/data.md).
+The text-to-image prompt sets (GenEval, TIIF) are `utils.t2i_data`.
 
 Every loader takes a hub name, a `save_to_disk` folder, a .json/.jsonl/.parquet file or a folder of
 such files, maps the user's column names to ours (the train scripts expose them as `--question_column`
@@ -10,11 +11,14 @@ whose message names the file, the row and the column, e.g.
 Validation cost: it reads the text columns once. Images stored in the dataset (an `Image` feature)
 are only checked for presence, never decoded. Image paths are checked to exist and, with
 `check_images=True` (the default), opened with PIL's `verify()`, which reads the file header and
-checksum but does not decode pixels (2000 rows of 84 px PNGs: about 1 s in all on 2 cores). Pass `check_images="exists"` for
-huge path-based sets, or False to skip.
+checksum but does not decode pixels (2000 rows of 84 px PNGs: about 1 s in all on 2 cores).
+Pass `check_images="exists"` for huge path-based sets, or False to skip.
 
 Relative image paths resolve against the folder of the data file that holds the row (for a
 `save_to_disk` folder: that folder); a hub dataset with relative paths cannot be resolved.
+
+Over 400 lines on purpose: the three loaders share one source-and-row bookkeeping (`_Source`) and the
+cell checkers, and splitting them would scatter the error-naming rules that make every message the same.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system",
                        "user": "user", "assistant": "assistant"}
 IMAGE_MARKER = "<image>"
-GENEVAL_POSITIONS = ("left of", "right of", "above", "below")
 
 
 class DataValidationError(ValueError):
@@ -183,7 +186,8 @@ def _image_feature_kind(feature) -> str:
     if isinstance(feature, datasets.Image):
         return "image"
     inner = getattr(feature, "feature", None)
-    if isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)) and isinstance(inner, datasets.Image):
+    if (isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence))
+            and isinstance(inner, datasets.Image)):
         return "images"
     return "other"
 
@@ -328,7 +332,7 @@ def normalise_choices(choices) -> list[str] | None:
 
 
 def render_question(question: str, choices=None) -> str:
-    """'{question}\\n\\nA) ...\\nB) ...' (DESIGN.md section 3); the question alone without choices."""
+    """'{question}\\n\\nA) ...\\nB) ...' (docs/data.md); the question alone without choices."""
     options = normalise_choices(choices)
     if not options:
         return question
@@ -336,7 +340,8 @@ def render_question(question: str, choices=None) -> str:
     return question.rstrip() + "\n\n" + "\n".join(lines)
 
 
-def _replace_columns(table: datasets.Dataset, new: dict[str, list], features: dict, drop: list[str]) -> datasets.Dataset:
+def _replace_columns(table: datasets.Dataset, new: dict[str, list], features: dict,
+                     drop: list[str]) -> datasets.Dataset:
     """The new columns (with their features) first, then the columns of `table` that are neither in
     `drop` nor named like a new column (extra columns keep their values, stored images stay as is)."""
     new_table = datasets.Dataset.from_dict(new, features=datasets.Features({name: features[name] for name in new}))
@@ -480,7 +485,8 @@ def load_sharegpt(name_or_path, *, split: str = "train", messages_column: str = 
         new["images"] = images
         drop.append(images_column)
     elif images_column != "images":
-        table = table.remove_columns([c for c in ("images",) if c in table.column_names]).rename_column(images_column, "images")
+        table = (table.remove_columns([c for c in ("images",) if c in table.column_names])
+                 .rename_column(images_column, "images"))
     table = _replace_columns(table, new, features, drop)
     order = ["messages", "images"]
     return table.select_columns(order + [c for c in table.column_names if c not in order])
@@ -510,120 +516,11 @@ def load_rl_rows(name_or_path, *, split: str = "train", images_column: str = "im
         new = {"images": images, **new}
         drop.append(images_column)
     elif images_column != "images":
-        table = table.remove_columns([c for c in ("images",) if c in table.column_names]).rename_column(images_column, "images")
+        table = (table.remove_columns([c for c in ("images",) if c in table.column_names])
+                 .rename_column(images_column, "images"))
     table = _replace_columns(table, new, features, drop)
     order = ["images", "problem", "answer"]
     return table.select_columns(order + [c for c in table.column_names if c not in order])
-
-
-# --------------------------------------------------------------------------------------------------
-# Text-to-image prompt sets. These return lists of dicts, not Datasets: GenEval rows are nested and
-# uneven (optional color/position keys), and Arrow would add those keys as None to every item,
-# which the GenEval reward server would then read. Plain dicts go to the server unchanged.
-
-
-def _json_rows(name_or_path, split: str) -> tuple[list[dict], _Source]:
-    path = os.path.expanduser(os.fspath(name_or_path)) if not isinstance(name_or_path, datasets.Dataset) else None
-    if path and os.path.isfile(path) and os.path.splitext(path)[1].lower() in (".json", ".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        source = _Source(path, os.path.dirname(os.path.abspath(path)))
-        if text.lstrip().startswith("["):
-            try:
-                rows = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise DataValidationError(f"{path}: not valid JSON: {error}") from error
-        else:
-            rows = []
-            for line_no, line in enumerate(text.splitlines()):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise DataValidationError(f"{path} row {len(rows)} (line {line_no + 1}): not valid JSON: {error}") from error
-        if not rows:
-            raise DataValidationError(f"{path}: no rows")
-        source.files = [(path, len(rows))]
-        for row, value in enumerate(rows):
-            if not isinstance(value, dict):
-                raise DataValidationError(f"{source.where(row)}: expected a JSON object, got {value!r}")
-        return rows, source
-    table, source = _open(name_or_path, split)
-    return [_drop_nones(row) for row in table.to_list()], source
-
-
-def _drop_nones(value):
-    if isinstance(value, dict):
-        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_nones(v) for v in value]
-    return value
-
-
-def _geneval_item(source, row, column, index, item, n_include) -> None:
-    where = f"item {index}"
-    if not isinstance(item, dict):
-        source.fail(row, column, f"{where} is not an object: {item!r}")
-    if not isinstance(item.get("class"), str) or not item["class"].strip():
-        source.fail(row, column, f"{where} needs a 'class' string, got {item.get('class')!r}")
-    count = item.get("count")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        source.fail(row, column, f"{where} needs an integer 'count' >= 1, got {count!r}")
-    if "color" in item and not isinstance(item["color"], str):
-        source.fail(row, column, f"{where} 'color' must be a string, got {item['color']!r}")
-    if "position" in item:
-        position = item["position"]
-        ok = (column == "include" and isinstance(position, (list, tuple)) and len(position) == 2
-              and position[0] in GENEVAL_POSITIONS and isinstance(position[1], int)
-              and 0 <= position[1] < n_include and position[1] != index)
-        if not ok:
-            source.fail(row, column, f"{where} 'position' must be [one of {GENEVAL_POSITIONS}, index of another "
-                                     f"include item], got {position!r}")
-
-
-def load_geneval(path, *, split: str = "train") -> list[dict]:
-    """GenEval metadata rows {tag, include, exclude?, prompt} as a list of dicts (see above for why)."""
-    rows, source = _json_rows(path, split)
-    for row, item in enumerate(rows):
-        for column in ("tag", "prompt"):
-            _text(source, row, column, item.get(column))
-        include = item.get("include")
-        if not isinstance(include, list) or not include:
-            source.fail(row, "include", f"expected a non-empty list, got {include!r}")
-        exclude = item.get("exclude", [])
-        if not isinstance(exclude, list):
-            source.fail(row, "exclude", f"expected a list, got {exclude!r}")
-        for column, items in (("include", include), ("exclude", exclude)):
-            for index, entry in enumerate(items):
-                _geneval_item(source, row, column, index, entry, len(include))
-    return rows
-
-
-def _yes_no(value) -> bool:
-    return isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in ("yes", "no"))
-
-
-def load_tiif(path, *, split: str = "train") -> list[dict]:
-    """TIIF rows {type, short_description, long_description?, yn_question_list, yn_answer_list, source?}
-    as a list of dicts; each row also gets `prompt` = short_description (unless it has one)."""
-    rows, source = _json_rows(path, split)
-    for row, item in enumerate(rows):
-        _text(source, row, "type", item.get("type"))
-        _text(source, row, "short_description", item.get("short_description"))
-        questions, answers = item.get("yn_question_list"), item.get("yn_answer_list")
-        if not isinstance(questions, list) or not questions or not all(isinstance(q, str) for q in questions):
-            source.fail(row, "yn_question_list", f"expected a non-empty list of strings, got {questions!r}")
-        if not isinstance(answers, list):
-            source.fail(row, "yn_answer_list", f"expected a list, got {answers!r}")
-        if len(answers) != len(questions):
-            source.fail(row, "yn_answer_list", f"{len(answers)} answers for {len(questions)} questions in "
-                                               f"'yn_question_list'")
-        bad = [a for a in answers if not _yes_no(a)]
-        if bad:
-            source.fail(row, "yn_answer_list", f"answers must be yes/no, got {bad!r}")
-        item.setdefault("prompt", item["short_description"])
-    return rows
 
 
 def images_of(row):

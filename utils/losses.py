@@ -1,4 +1,4 @@
-"""The clipped policy-gradient loss of GRPO and its variants (DESIGN.md section 4).
+"""The clipped policy-gradient loss of GRPO and its variants (docs/grpo.md).
 
 Shared by train_grpo.py (text tokens) and train_mixgrpo.py (text tokens and SDE image steps).
 """
@@ -74,5 +74,8 @@ def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon_low=0.2, 
             "clip_ratio": ((low | high).to(mask.dtype) * mask).sum() / n,
             "kl": (kl * mask).sum() / n if kl is not None else torch.zeros((), device=logps.device),
             "tokens": mask.sum(),
+            # the largest |rho - 1| over completion tokens: exactly 0 on the first pass over fresh samples
+            "ratio_max_dev": (((ratio_t - 1).abs() * mask).max() if mask.numel()
+                              else torch.zeros((), device=logps.device)),
         }
     return loss, stats

@@ -1,29 +1,11 @@
-"""Load any HF VLM or LLM with its processor, freeze a vision tower, load a flow-matching generator.
-
-The tiny models the CPU recipes and the tests train are built in `utils.tiny_models` and re-exported here.
-"""
+"""Load any HF VLM or LLM with its processor and prepare it for training (vision tower frozen, LoRA,
+gradient checkpointing)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-
-from utils.tiny_models import (  # noqa: F401  (re-exported)
-    FAMILIES,
-    make_tiny_flow_model,
-    make_tiny_llm,
-    make_tiny_tokenizer,
-    make_tiny_vlm,
-    tokenizer_corpus,
-)
-
-__all__ = [
-    "FAMILIES", "ModelLoadError", "freeze_vision_tower", "is_vision_model", "load_flow_model",
-    "load_model_and_processor", "make_tiny_flow_model", "make_tiny_llm", "make_tiny_tokenizer", "make_tiny_vlm",
-    "resolve_dtype", "tokenizer_corpus",
-]
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -225,45 +207,6 @@ def freeze_vision_tower(model, *, include_projector: bool = False) -> int:
 
 
 _freeze_vision_tower = freeze_vision_tower
-
-
-# --------------------------------------------------------------------------------------------------
-# Flow-matching generator
-# --------------------------------------------------------------------------------------------------
-
-
-def load_flow_model(path, *, dtype="float32") -> dict:
-    """Load a diffusers flow-matching folder component-wise -> dict(transformer, vae, scheduler).
-
-    The folder needs transformer/, vae/ and scheduler/ subfolders (as `make_tiny_flow_model` writes
-    them, or an SD3 checkpoint); text encoders are not loaded (Mix-GRPO conditions on the VLM).
-    To get a full pipeline instead: `StableDiffusion3Pipeline.from_pretrained(path, text_encoder=None,
-    text_encoder_2=None, text_encoder_3=None, tokenizer=None, tokenizer_2=None, tokenizer_3=None)`.
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"flow model folder {path!r} does not exist")
-    missing = [sub for sub in ("transformer", "vae", "scheduler") if not os.path.isdir(os.path.join(path, sub))]
-    if missing:
-        raise ModelLoadError(f"flow model folder {path!r} lacks the subfolder(s) {missing}")
-    torch_dtype = resolve_dtype(dtype)
-    torch_dtype = torch.float32 if torch_dtype == "auto" else torch_dtype
-    classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
-    index_path = os.path.join(path, "model_index.json")
-    if os.path.isfile(index_path):  # honour the classes the folder declares (e.g. a Flux transformer)
-        import diffusers
-
-        with open(index_path) as f:
-            index = json.load(f)
-        for name in classes:
-            entry = index.get(name)
-            if entry and entry[0] == "diffusers" and isinstance(getattr(diffusers, entry[1], None), type):
-                classes[name] = getattr(diffusers, entry[1])
-    out = {name: cls.from_pretrained(path, subfolder=name, torch_dtype=torch_dtype) for name, cls in classes.items()}
-    out["scheduler"] = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
-    return out
 
 
 def prepare_for_training(model, cfg):

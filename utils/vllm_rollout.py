@@ -9,7 +9,8 @@ so a completion does not depend on how requests were batched. Install with
 
 import torch
 
-from utils.rollout import completion_mask, hf_core, unwrap_for_generation
+from utils.logprobs import hf_core
+from utils.rollout import completion_mask, unwrap_for_generation
 
 
 def require_vllm():
@@ -66,8 +67,9 @@ class VLLMRollout:
                     model.unmerge_adapter()
         self.llm.reset_prefix_cache()
 
-    def generate(self, policy, processor, messages, images, seeds, *, step):
-        """One completion per prompt; returns (completion_ids [B, L], completion_mask [B, L]) on the policy's device."""
+    def generate(self, policy, processor, messages, images, seeds, *, step, stop_ids):
+        """One completion per prompt; returns (completion_ids [B, L], completion_mask [B, L]) on the policy's device.
+        `stop_ids` are `utils.rollout.stop_token_ids`, the rule the HF path and evaluation use."""
         from vllm import SamplingParams
 
         if self._synced_step != step:
@@ -79,7 +81,8 @@ class VLLMRollout:
             text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             prompts.append({"prompt": text, "multi_modal_data": {"image": list(imgs)}} if imgs else {"prompt": text})
         params = [SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or -1,
-                                 max_tokens=cfg.max_completion_length, seed=int(s) & 0x7FFFFFFF) for s in seeds]
+                                 max_tokens=cfg.max_completion_length, stop_token_ids=list(stop_ids),
+                                 seed=int(s) & 0x7FFFFFFF) for s in seeds]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokenizer = getattr(processor, "tokenizer", processor)
         rows = [list(o.outputs[0].token_ids) for o in outputs]
@@ -89,7 +92,6 @@ class VLLMRollout:
             ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         lengths = torch.tensor([len(r) for r in rows])
         mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
-        eos = [tokenizer.eos_token_id]
-        mask = mask * completion_mask(ids, eos)
+        mask = mask * completion_mask(ids, list(stop_ids))
         device = self.accelerator.device
         return ids.to(device), mask.to(device)

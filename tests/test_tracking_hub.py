@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import utils.hub as hub
 from utils.hub import HubUploader, HubUploadError, stage_for_hub
-from utils.logging import RunLogger, peak_memory_mb, plot_reward_curve, read_jsonl, tracker_list, write_summary
+from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, read_jsonl, tracker_list, write_summary
 
 
 def steps_in(path):

@@ -71,7 +71,7 @@ def _hparams(config) -> dict:
     if config is None:
         return {}
     if not isinstance(config, dict):
-        from utils.args import config_to_dict
+        from utils.config import config_to_dict
 
         config = config_to_dict(config)
     return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in config.items()}
@@ -154,8 +154,14 @@ class RunLogger:
 
         self._t0 = time.monotonic()
         if progress if progress is not None else _use_rich():
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),

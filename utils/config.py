@@ -105,6 +105,9 @@ def _specs(config_cls) -> dict[str, _FieldSpec]:
         raise TypeError(f"{config_cls!r} is not a dataclass")
     hints = typing.get_type_hints(config_cls)
     specs = {f.name: _field_spec(f, hints[f.name]) for f in dataclasses.fields(config_cls) if f.init}
+    _, comments = _source_notes(config_cls)
+    specs = {name: spec if spec.help or name not in comments else dataclasses.replace(spec, help=comments[name])
+             for name, spec in specs.items()}
     if "config" in specs:
         raise TypeError("a config dataclass may not define a field named 'config' (reserved for --config)")
     return specs
@@ -322,3 +325,74 @@ def save_config(cfg, path: str | Path) -> Path:
 def choice(*options, help=""):
     """A dataclass field with a fixed set of values (the first is the default), enforced on CLI and YAML."""
     return dataclasses.field(default=options[0], metadata={"choices": list(options), "help": help})
+
+
+# --------------------------------------------------------------------------------------------------
+# Flag reference: docs/flags.md is generated from the config dataclasses, so it cannot drift from them.
+
+
+def _source_notes(config_cls) -> tuple[dict[str, str], dict[str, str]]:
+    """From the class body: field name -> the `# heading` comment above it ("" before the first), and field
+    name -> its trailing `# comment` (the help text of fields without a `help` in their metadata)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(config_cls).splitlines()[1:]
+    except (OSError, TypeError):  # defined in a REPL or an exec'd string
+        return {}, {}
+    heading, sections, comments = "", {}, {}
+    for line in source:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            heading = stripped.lstrip("# ").strip()
+            continue
+        name = stripped.split(":", 1)[0].strip()
+        if not name.isidentifier():
+            continue
+        sections.setdefault(name, heading)
+        code, hash_, comment = stripped.partition("  # ")
+        if hash_ and code.count('"') % 2 == 0:
+            comments.setdefault(name, comment.strip())
+    return sections, comments
+
+
+def flag_reference(config_cls, title: str) -> str:
+    """A Markdown section listing every flag of a config: name, default, choices and help, grouped by heading."""
+    specs, (sections, _) = _specs(config_cls), _source_notes(config_cls)
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    lines, current = [f"## {title}", ""], None
+    for name, spec in specs.items():
+        section = sections.get(name, "")
+        if section != current:
+            current = section
+            lines += ([""] if lines[-1] else []) + ([f"**{section}**", ""] if section else [])
+            lines += ["| flag | default | meaning |", "|---|---|---|"]
+        default = json.dumps(_plain(_fmt_default(fields[name])))
+        meaning = spec.help + (f" one of {{{', '.join(map(str, spec.choices))}}}" if spec.choices else "")
+        lines.append(f"| `--{name}` | `{default}` | {meaning.strip().replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+FLAGS_HEADER = """# Flag reference
+
+Generated from the config dataclasses at the top of each script by `make docs`
+(`python -m utils.config docs/flags.md ...`); a test fails when this file is stale. Every flag is also a key of
+a recipe YAML (`--config recipe.yaml`), and flags given on the command line override the recipe. Booleans take
+`--flag`, `--flag true|false`; lists take space- or comma-separated values; `none` sets an optional value to
+None; dicts take JSON.
+"""
+
+
+def flags_markdown(scripts: list[str]) -> str:
+    """The whole docs/flags.md for `module:ConfigClass` entries (e.g. `train_grpo:GRPOConfig`)."""
+    import importlib
+
+    parts = [FLAGS_HEADER]
+    for entry in scripts:
+        module, cls = entry.split(":")
+        parts.append(flag_reference(getattr(importlib.import_module(module), cls), f"`{module}.py`"))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":  # python -m utils.config docs/flags.md train_grpo:GRPOConfig ...
+    Path(sys.argv[1]).write_text(flags_markdown(sys.argv[2:]), encoding="utf-8")

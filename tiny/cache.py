@@ -1,5 +1,5 @@
 """The tiny built-in recipe: a from-scratch tiny VLM and the synthetic shapes data, built on first
-use and cached under outputs/tiny-cache/ (DESIGN.md section 8 says what such a model can learn).
+use and cached under outputs/tiny-cache/ (docs/tiny.md says what such a model can learn).
 
 `--model_name_or_path tiny` and `--dataset_name synthetic:shapes` resolve here; anything else is
 passed through untouched.
@@ -20,7 +20,7 @@ CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-ca
 
 # Train and held-out splits come from different seeds, so no held-out image is seen in training.
 # Counting questions (all shapes, or one colour) with objects in their own 28 px cells: what a model
-# this small learns by SFT, and improves on with RL (DESIGN.md section 8).
+# this small learns by SFT, and improves on with RL (docs/tiny.md).
 SHAPES_KINDS = ["count", "count_color"]
 SHAPES_SPLITS = {"train": dict(n=4000, seed=0, kinds=SHAPES_KINDS), "test": dict(n=256, seed=1, kinds=SHAPES_KINDS)}
 TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, vision_depth=2, image_size=84, seed=0)
@@ -44,7 +44,7 @@ def _cached(name, spec, build):
 
 
 def tiny_vlm_path():
-    from utils.models import make_tiny_vlm
+    from tiny.models import make_tiny_vlm
 
     return _cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
 
@@ -52,7 +52,7 @@ def tiny_vlm_path():
 def shapes_dataset_path():
     from datasets import DatasetDict
 
-    from utils.synthetic import make_shapes_vqa
+    from tiny.shapes import make_shapes_vqa
 
     def build(out):
         DatasetDict({split: make_shapes_vqa(**spec) for split, spec in SHAPES_SPLITS.items()}).save_to_disk(out)
