@@ -1,0 +1,385 @@
+"""The flow generator adapters against diffusers' own pipelines (tiny random components built locally, as diffusers'
+pipeline tests build them; tokenizers are made offline), the SDE-step log-prob recompute, LoRA and conditioning."""
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from tiny.pipelines import make_tiny_flux, make_tiny_klein, make_tiny_qwenimage, make_tiny_sd3
+from utils.flow_adapters import Flux2KleinGenerator, FluxGenerator, QwenImageGenerator, SD3Generator
+from utils.flow_generators import Guidance, SDEStep, edit_start, load_flow_generator, sample, step_logprob
+from utils.flow_sde import sde_std_t
+
+SIZE = 32
+PROMPTS = ["a photo of two red circles", "a blue square"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return make_tiny_qwenimage(tmp_path_factory.mktemp("qwenimage"))
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    return make_tiny_sd3(tmp_path_factory.mktemp("sd3"))
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return make_tiny_flux(tmp_path_factory.mktemp("flux"))
+
+
+@pytest.fixture(scope="module")
+def klein_dir(tmp_path_factory):
+    return make_tiny_klein(tmp_path_factory.mktemp("klein"))
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _image(seed=0, size=SIZE):
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
+    return Image.fromarray(arr)
+
+
+def _close(a, b, atol=1e-5):
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, atol=atol, rtol=0), f"max diff {(a - b).abs().max().item():.3g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# ODE parity with the pipelines' own __call__
+# --------------------------------------------------------------------------------------------------
+
+
+def test_qwenimage_ode_matches_pipeline(qwen_dir):
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(qwen_dir)
+    ref = pipe(PROMPTS, negative_prompt=" ", true_cfg_scale=4.0, height=SIZE, width=SIZE, num_inference_steps=3,
+               generator=_gen(), output_type="pt", max_sequence_length=128).images
+    gen = QwenImageGenerator.from_pretrained(qwen_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, negative_prompt=" ", max_sequence_length=128)
+    assert cond.pos["mask"] is not None  # prompts of two lengths: the padding mask is exercised
+    out = sample(gen, cond, num_steps=3, guidance=Guidance(scale=4.0), generator=_gen())
+    _close(out.images, ref)
+
+
+def test_qwenimage_edit_ode_matches_pipeline(qwen_dir, monkeypatch):
+    from diffusers import QwenImageEditPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_module
+
+    # The edit pipeline resizes its input to a 1024^2 area (a 1024 px tiny-VAE encode takes ~30 s on a CPU):
+    # the test shrinks that constant in the pipeline and passes the same edit_area to the adapter.
+    original = edit_module.calculate_dimensions
+    monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: original(SIZE * SIZE, ratio))
+    image = _image()
+    pipe = QwenImageEditPipeline.from_pretrained(qwen_dir)
+    ref = pipe(image=image, prompt=PROMPTS[0], negative_prompt=" ", true_cfg_scale=4.0, height=SIZE, width=SIZE,
+               num_inference_steps=2, generator=_gen(), output_type="pt", max_sequence_length=128).images
+    gen = QwenImageGenerator.from_pretrained(qwen_dir, edit_area=SIZE * SIZE)
+    cond = gen.encode_condition(PROMPTS[:1], [image], height=SIZE, width=SIZE, max_sequence_length=128)
+    assert cond.image_latents is not None and len(cond.shared["img_shapes"]) == 2
+    out = sample(gen, cond, num_steps=2, guidance=Guidance(scale=4.0), generator=_gen())
+    _close(out.images, ref)
+
+
+def test_sd3_ode_matches_pipeline(sd3_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_dir)
+    ref = pipe(PROMPTS, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=5.0, generator=_gen(),
+               output_type="pt", max_sequence_length=16).images
+    gen = SD3Generator.from_pretrained(sd3_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=16)
+    out = sample(gen, cond, num_steps=3, guidance=Guidance(scale=5.0), generator=_gen())
+    _close(out.images, ref)
+
+
+def test_flux_ode_matches_pipeline(flux_dir):
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(flux_dir)
+    ref = pipe(PROMPTS, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=3.5, generator=_gen(),
+               output_type="pt", max_sequence_length=16).images
+    gen = FluxGenerator.from_pretrained(flux_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=16)
+    out = sample(gen, cond, num_steps=3, guidance=Guidance(scale=1.0, embedded=3.5), generator=_gen())
+    _close(out.images, ref)
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_klein_ode_matches_pipeline(klein_dir, with_image):
+    from diffusers import Flux2KleinPipeline
+
+    image = _image(1, 64) if with_image else None  # the pipeline takes reference images of 64 px and more
+    pipe = Flux2KleinPipeline.from_pretrained(klein_dir)
+    ref = pipe(prompt=PROMPTS[0], image=image, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=4.0,
+               generator=_gen(), output_type="pt", max_sequence_length=32, text_encoder_out_layers=(1,)).images
+    gen = Flux2KleinGenerator.from_pretrained(klein_dir, text_encoder_out_layers=(1,))
+    cond = gen.encode_condition(PROMPTS[:1], None if image is None else [image], height=SIZE, width=SIZE,
+                                max_sequence_length=32)
+    out = sample(gen, cond, num_steps=3, guidance=Guidance(scale=4.0), generator=_gen())
+    _close(out.images, ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# SDE steps: the recorded log-prob is what training recomputes (ratio 1 with unchanged weights)
+# --------------------------------------------------------------------------------------------------
+
+
+def _loaded(kind, dirs):
+    if kind == "qwen":
+        gen = QwenImageGenerator.from_pretrained(dirs["qwen"], edit_area=SIZE * SIZE)
+        return gen, dict(negative_prompt=" ", max_sequence_length=128)
+    if kind == "sd3":
+        return SD3Generator.from_pretrained(dirs["sd3"]), dict(max_sequence_length=16)
+    if kind == "flux":
+        return FluxGenerator.from_pretrained(dirs["flux"]), dict(negative_prompt="", max_sequence_length=16)
+    gen = Flux2KleinGenerator.from_pretrained(dirs["klein"], text_encoder_out_layers=(1,))
+    return gen, dict(max_sequence_length=32)
+
+
+@pytest.fixture(scope="module")
+def dirs(qwen_dir, sd3_dir, flux_dir, klein_dir):
+    return {"qwen": qwen_dir, "sd3": sd3_dir, "flux": flux_dir, "klein": klein_dir}
+
+
+@pytest.mark.parametrize("kind,edit", [("qwen", False), ("qwen", True), ("sd3", False), ("sd3", True),
+                                       ("flux", False), ("flux", True), ("klein", True)])
+def test_step_logprob_recompute_ratio_one(dirs, kind, edit):
+    gen, kw = _loaded(kind, dirs)
+    images = [_image(2, 64 if kind == "klein" else SIZE), _image(3, 64 if kind == "klein" else SIZE)] if edit else None
+    cond = gen.encode_condition(PROMPTS, images, height=SIZE, width=SIZE, **kw)
+    guidance = Guidance(scale=4.0, interval=(0.4, 1.0))
+    sde = [edit_start(4, 0.6)] if (edit and kind in ("sd3", "flux")) else [0, 2]  # SDEdit starts later
+    out = sample(gen, cond, num_steps=4, sde_steps=sde, guidance=guidance, generator=[_gen(1), _gen(2)])
+    assert [int(s.index[0]) for s in out.steps] == sde
+    for step in out.steps:
+        log_prob, mean, std = step_logprob(gen, cond, step)
+        assert log_prob.requires_grad or not gen.trainable_parameters()
+        ratio = torch.exp(log_prob - step.log_prob)
+        _close(ratio.detach(), torch.ones(2), atol=1e-5)
+        _close(mean.detach(), step.mean, atol=1e-5)
+        _close(std, step.std)
+    # training minibatches: steps of different sigmas in one batch (the guidance interval splits it), and a subset
+    step = SDEStep.cat(out.steps)
+    log_prob, _, _ = step_logprob(gen, cond.select([0, 1] * len(out.steps)), step)
+    _close(log_prob.detach(), step.log_prob, atol=1e-4)
+    log_prob, _, _ = step_logprob(gen, cond.select([1]), step.select([1]))
+    _close(log_prob.detach(), step.log_prob[1:2], atol=1e-4)
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_qwen_batched_cfg_and_left_padding_tokenizer(qwen_dir, edit):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir, edit_area=SIZE * SIZE)
+    gen.t2i.tokenizer.padding_side = "left"  # a policy tokenizer set up for generation
+    images = [_image(5), _image(6)] if edit else None
+    cond = gen.encode_condition(PROMPTS, images, height=SIZE, width=SIZE, max_sequence_length=128)
+    assert gen.t2i.tokenizer.padding_side == "left"
+    gen.t2i.tokenizer.padding_side = "right"
+    _close(cond.pos["embeds"], gen.encode_condition(PROMPTS, images, height=SIZE, width=SIZE,
+                                                    max_sequence_length=128).pos["embeds"], atol=0)
+    x = gen.prepare_latents(2, SIZE, SIZE, _gen())
+    t = torch.tensor([900.0, 700.0])
+    separate = gen.velocity(x, t, cond, Guidance(scale=4.0))
+    gen.cfg_batched = True  # one forward for both branches (DDP: one forward per backward)
+    _close(gen.velocity(x, t, cond, Guidance(scale=4.0)), separate, atol=1e-5)
+    out = sample(gen, cond, num_steps=3, sde_steps=[1], guidance=Guidance(scale=4.0), generator=_gen(),
+                 output_type=None)
+    _close(step_logprob(gen, cond, out.steps[0])[0].detach(), out.steps[0].log_prob, atol=1e-6)
+
+
+def test_ode_trajectory_unchanged_before_sde_step(qwen_dir):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)
+    ode = sample(gen, cond, num_steps=4, guidance=Guidance(scale=4.0), generator=_gen(), output_type=None)
+    assert ode.steps == []
+    sde = sample(gen, cond, num_steps=4, sde_steps=[2], guidance=Guidance(scale=4.0), generator=_gen(),
+                 output_type=None)
+    _close(sde.noise, ode.noise, atol=0)
+    # the two runs agree up to the SDE step's input, and the SDE step's mean is near the ODE step
+    ode_steps = sample(gen, cond, num_steps=4, sde_steps=[2], guidance=Guidance(scale=4.0), generator=_gen(),
+                       noise_level=1e-6, output_type=None)
+    _close(ode_steps.steps[0].latents, sde.steps[0].latents, atol=0)
+    assert not torch.allclose(ode.latents, sde.latents)
+    _close(ode_steps.latents, ode.latents, atol=1e-4)
+
+
+def test_guidance_interval_and_schedule_shift(qwen_dir):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)
+    x = gen.prepare_latents(2, SIZE, SIZE, _gen())
+    timesteps, sigmas = gen.schedule(4, x, shift=3.0)
+    t = torch.linspace(1, 0.25, 4)
+    _close(sigmas[:-1], 3 * t / (1 + 2 * t), atol=1e-6)  # R3's shift t' = 3t / (1 + 2t)
+    assert sigmas[-1] == 0
+    guidance = Guidance(scale=4.0, interval=(0.4, 1.0))
+    low = torch.tensor([0.3 * 1000, 0.9 * 1000])
+    mixed = gen.velocity(x, low, cond, guidance)
+    _close(mixed[0], gen.velocity(x, low, cond, Guidance(scale=1.0))[0], atol=1e-6)  # outside: conditional only
+    _close(mixed[1], gen.velocity(x, low, cond, Guidance(scale=4.0))[1], atol=1e-5)  # inside: CFG
+
+
+def test_r3_noise_cap(sd3_dir):
+    gen = SD3Generator.from_pretrained(sd3_dir)
+    cond = gen.encode_condition(PROMPTS[:1], height=SIZE, width=SIZE, max_sequence_length=16)
+    out = sample(gen, cond, num_steps=3, sde_steps=[0, 1], guidance=Guidance(scale=5.0), noise_level=1.0,
+                 noise_cap="r3", generator=_gen(), output_type=None)
+    for step in out.steps:
+        sigma = float(step.sigma[0])
+        assert float(step.std_t[0]) == pytest.approx((sigma / (1 - min(sigma, 0.95))) ** 0.5, rel=1e-6)
+    assert float(out.steps[0].sigma[0]) == 1.0
+
+
+def test_sdedit_refine_starts_from_previous_image(sd3_dir):
+    gen = SD3Generator.from_pretrained(sd3_dir)
+    image = _image(4)
+    cond = gen.encode_condition(PROMPTS[:1], [image], height=SIZE, width=SIZE, max_sequence_length=16)
+    start = edit_start(5, 0.6)
+    out = sample(gen, cond, num_steps=5, sde_steps=[start], guidance=Guidance(scale=5.0), edit_strength=0.6,
+                 generator=_gen(), output_type=None)
+    sigma = out.sigmas[start]
+    _close(out.steps[0].latents, sigma * out.noise + (1 - sigma) * cond.init_latents, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training: LoRA, reference, checkpointing, conditioning, loading
+# --------------------------------------------------------------------------------------------------
+
+
+def test_lora_only_lora_params_get_grads_and_reference_is_base(qwen_dir):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)
+    out = sample(gen, cond, num_steps=3, sde_steps=[1], guidance=Guidance(scale=4.0), generator=_gen(),
+                 output_type=None)
+    params = gen.add_lora(r=4)
+    assert params and all("lora" in n for n, p in gen.transformer.named_parameters() if p.requires_grad)
+    log_prob, _, _ = step_logprob(gen, cond, out.steps[0])
+    _close(log_prob.detach(), out.steps[0].log_prob)  # LoRA B = 0: the policy is still the base
+    log_prob.sum().backward()
+    grads = {n: p.grad for n, p in gen.transformer.named_parameters()}
+    assert all(g is None for n, g in grads.items() if "lora" not in n)
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+    assert all(p.grad is None for p in gen.text_encoder.parameters())
+    assert all(p.grad is None for p in gen.vae.parameters())
+    with torch.no_grad():
+        for n, p in gen.transformer.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)
+        moved, _, _ = step_logprob(gen, cond, out.steps[0])
+        with gen.reference():
+            base, _, _ = step_logprob(gen, cond, out.steps[0])
+    assert not torch.allclose(moved, out.steps[0].log_prob, atol=1e-4)
+    _close(base, out.steps[0].log_prob)
+    assert all(p.requires_grad for p in params)  # the reference context leaves the adapter trainable
+
+
+def test_gradient_checkpointing_same_grads(sd3_dir):
+    gen = SD3Generator.from_pretrained(sd3_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=16)
+    out = sample(gen, cond, num_steps=3, sde_steps=[1], guidance=Guidance(scale=5.0), generator=_gen(),
+                 output_type=None)
+    params = gen.add_lora(r=4)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.01)
+    grads = []
+    for checkpointing in (False, True):
+        gen.enable_gradient_checkpointing(checkpointing)
+        for p in params:
+            p.grad = None
+        step_logprob(gen, cond, out.steps[0])[0].sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    _close(grads[0], grads[1], atol=1e-6)
+
+
+def test_conditioning_base_weights_vs_policy(qwen_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from utils.flow_adapters import QwenImageGenerator as Q
+
+    vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(qwen_dir, "text_encoder"))
+    frozen = Q.from_pretrained(qwen_dir)
+    base = frozen.encode_condition(PROMPTS, height=SIZE, width=SIZE).pos["embeds"]
+    policy = get_peft_model(vlm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    comps = {"text_encoder": policy}
+    gen = Q.from_pretrained(qwen_dir, components=comps)
+    assert gen.text_encoder is policy.get_base_model()  # adapters present: no copy
+    _close(gen.encode_condition(PROMPTS, height=SIZE, width=SIZE).pos["embeds"], base, atol=1e-6)
+    trains = Q.from_pretrained(qwen_dir, components=comps, conditioning="policy")
+    embeds = trains.encode_condition(PROMPTS, height=SIZE, width=SIZE).pos["embeds"]
+    assert embeds.requires_grad and not torch.allclose(embeds, base, atol=1e-4)
+    full = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(qwen_dir, "text_encoder"))
+    copied = Q.from_pretrained(qwen_dir, components={"text_encoder": full})
+    assert copied.text_encoder is not full and not any(p.requires_grad for p in copied.text_encoder.parameters())
+    with torch.no_grad():
+        next(full.parameters()).add_(1.0)  # full fine-tuning of the policy moves it, not the conditioning
+    _close(copied.encode_condition(PROMPTS, height=SIZE, width=SIZE).pos["embeds"], base, atol=1e-6)
+
+
+def test_load_by_folder_and_bf16(dirs):
+    for kind, cls in (("qwen", QwenImageGenerator), ("sd3", SD3Generator), ("flux", FluxGenerator),
+                      ("klein", Flux2KleinGenerator)):
+        assert type(load_flow_generator(dirs[kind])) is cls
+    for kind, kw in (("sd3", dict(max_sequence_length=16)), ("qwen", dict(max_sequence_length=128))):
+        gen = load_flow_generator(dirs[kind], dtype=torch.bfloat16)
+        assert gen.dtype == gen.vae.dtype == torch.bfloat16
+        cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, **kw)
+        out = sample(gen, cond, num_steps=2, sde_steps=[0], guidance=Guidance(scale=5.0), generator=_gen())
+        step = out.steps[0]
+        assert out.latents.dtype == torch.float32 and step.log_prob.dtype == torch.float32
+        assert torch.isfinite(step.log_prob).all() and out.images.shape == (2, 3, SIZE, SIZE)
+        log_prob, _, _ = step_logprob(gen, cond, step)
+        _close(log_prob, step.log_prob, atol=1e-5)
+
+
+def test_generator_without_text_encoders_from_embeds(tmp_path):
+    """The project's tiny flow model (SD3 classes, no text encoders) conditioned on embeddings from elsewhere."""
+    try:
+        from tiny.models import make_tiny_flow_model
+    except ImportError:  # pragma: no cover
+        from utils.models import make_tiny_flow_model
+    gen = load_flow_generator(make_tiny_flow_model(tmp_path / "flow"))
+    assert type(gen) is SD3Generator and gen.pipe.text_encoder is None
+    embeds, pooled = torch.randn(2, 7, 128), torch.randn(2, 128)
+    cond = gen.condition_from_embeds(embeds, pooled, torch.zeros_like(embeds), torch.zeros_like(pooled),
+                                     height=SIZE, width=SIZE)
+    out = sample(gen, cond, num_steps=3, sde_steps=[1], guidance=Guidance(scale=4.0), generator=_gen())
+    _close(step_logprob(gen, cond, out.steps[0])[0].detach(), out.steps[0].log_prob, atol=1e-6)
+
+
+def test_qwen_condition_from_embeds_equals_encoded(qwen_dir):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)
+    again = gen.condition_from_embeds(cond.pos["embeds"], cond.pos["mask"], cond.neg["embeds"], cond.neg["mask"],
+                                      height=SIZE, width=SIZE)
+    x = gen.prepare_latents(2, SIZE, SIZE, _gen())
+    _close(gen.velocity(x, 800.0, again, Guidance(4.0)), gen.velocity(x, 800.0, cond, Guidance(4.0)), atol=0)
+
+
+def test_sigma_one_std_uses_second_sigma(sd3_dir):
+    gen = SD3Generator.from_pretrained(sd3_dir)
+    cond = gen.encode_condition(PROMPTS[:1], height=SIZE, width=SIZE, max_sequence_length=16)
+    out = sample(gen, cond, num_steps=3, sde_steps=[0], guidance=Guidance(scale=5.0), generator=_gen(),
+                 output_type=None)
+    expect = sde_std_t(torch.tensor(1.0), noise_level=0.7, sigma_max=out.sigmas[1])
+    assert float(out.steps[0].std_t[0]) == pytest.approx(float(expect), rel=1e-6)

@@ -1,0 +1,460 @@
+"""Adapters of diffusers flow pipelines to the `utils.flow_generators` interface: Qwen-Image (+ Edit), SD3, FLUX.1,
+FLUX.2 Klein. Each one calls its pipeline's own encode_prompt, prepare_latents, packing and timestep-shift code, and
+copies only the lines of `__call__` that have no method (the transformer call, the VAE normalisation).
+
+Over 400 lines on purpose: four small adapters of one interface, side by side, so that what differs between the
+pipelines (conditioning, packing, schedule, VAE normalisation) can be read in one place."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from diffusers import (
+    Flux2KleinPipeline,
+    FluxPipeline,
+    QwenImageEditPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+)
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions, retrieve_latents
+
+from utils.flow_generators import (
+    DEFAULT_LORA_TARGETS,
+    FlowCondition,
+    FlowGenerator,
+    absent_components,
+    adapters_disabled,
+    has_adapters,
+)
+
+
+def _to_pil(images, image_processor):
+    """PIL images, or a [B, 3, H, W] tensor in [0, 1] -> a list of PIL images (the pipelines' image input)."""
+    if torch.is_tensor(images):
+        return image_processor.numpy_to_pil(image_processor.pt_to_numpy(images.detach().float().cpu()))
+    return [images] if not isinstance(images, (list, tuple)) else list(images)
+
+
+def _linear_sigmas(scheduler, num_steps):
+    # The FLUX-family pipelines pass linspace(1, 1/N, N) unless the scheduler brings its own flow sigmas.
+    if getattr(scheduler.config, "use_flow_sigmas", False):
+        return None
+    return np.linspace(1.0, 1 / num_steps, num_steps)
+
+
+def _schedule(scheduler, num_steps, device, sigmas, mu=None):
+    kwargs = {} if mu is None else {"mu": mu}
+    timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, sigmas=sigmas, **kwargs)
+    return timesteps.clone(), scheduler.sigmas.to(device).clone()
+
+
+# --------------------------------------------------------------------------------------------------
+# Qwen-Image: conditioned on a Qwen2.5-VL's last hidden states; edit joins the input image's tokens
+# --------------------------------------------------------------------------------------------------
+
+
+class QwenImageGenerator(FlowGenerator):
+    """QwenImagePipeline for text-to-image, QwenImageEditPipeline (same modules) when `images` are given.
+
+    The text encoder may be the policy VLM (components={"text_encoder": vlm, "tokenizer": ..., "processor": ...}).
+    conditioning="base": encode with its base weights and no grad (LoRA layers off; a policy VLM without LoRA is
+    deep-copied and frozen once, copy_text_encoder=None deciding so), so RL on the text does not move the image
+    model's input. conditioning="policy": the VLM as it is, with grad when enabled (the image loss trains it).
+    edit_area: the pixel area the edit pipeline resizes the input image to (its constant 1024 * 1024).
+    """
+
+    pipeline_class = QwenImagePipeline
+    cfg_renorm = True
+
+    def __init__(self, pipe, *, processor=None, conditioning="base", copy_text_encoder=None, edit_area=1024 * 1024,
+                 shared_text_encoder=False):
+        if conditioning not in ("base", "policy"):
+            raise ValueError(f"conditioning must be 'base' or 'policy', got {conditioning!r}")
+        text_encoder = pipe.text_encoder
+        if hasattr(text_encoder, "get_base_model"):  # a PeftModel: the pipeline calls the model underneath
+            text_encoder = text_encoder.get_base_model()
+        if copy_text_encoder is None:  # a policy trained without LoRA would drag the conditioning along
+            copy_text_encoder = conditioning == "base" and shared_text_encoder and not has_adapters(text_encoder)
+        if copy_text_encoder:
+            text_encoder = copy.deepcopy(text_encoder)
+        if copy_text_encoder or not shared_text_encoder:
+            text_encoder.requires_grad_(False).eval()
+        processor = processor if processor is not None else getattr(pipe, "processor", None)
+        parts = dict(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=text_encoder, tokenizer=pipe.tokenizer,
+                     transformer=pipe.transformer)
+        self.t2i = QwenImagePipeline(**parts)
+        self.edit = QwenImageEditPipeline(**parts, processor=processor) if processor is not None else None
+        self.pipe, self.vae, self.scheduler, self.transformer = self.t2i, pipe.vae, pipe.scheduler, pipe.transformer
+        self.denoiser = self.transformer
+        self.vae.requires_grad_(False)
+        self.text_encoder, self.conditioning, self.edit_area = text_encoder, conditioning, edit_area
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, *, dtype=torch.float32, device=None, components=None, **options):
+        """A QwenImagePipeline or QwenImageEditPipeline folder (or hub name)."""
+        from diffusers import DiffusionPipeline
+
+        components = dict(components or {})
+        processor = components.pop("processor", None)
+        options.setdefault("shared_text_encoder", components.get("text_encoder") is not None)
+        pipe = DiffusionPipeline.from_pretrained(name_or_path, dtype=dtype,
+                                                 **absent_components(name_or_path, components))
+        if device is not None:
+            pipe.to(device)
+        return cls(pipe, processor=processor, **options)
+
+    @contextmanager
+    def _conditioning(self):
+        # The pipeline tokenizes with right padding; a policy tokenizer may be set to left for generation.
+        toks = [self.t2i.tokenizer] + ([self.edit.processor.tokenizer] if self.edit is not None else [])
+        sides = [(t, t.padding_side) for t in {id(t): t for t in toks}.values()]
+        for t, _ in sides:
+            t.padding_side = "right"
+        training = self.text_encoder.training
+        try:
+            if self.conditioning == "policy":
+                yield
+                return
+            self.text_encoder.eval()  # base weights, no dropout
+            with torch.no_grad(), adapters_disabled(self.text_encoder):
+                yield
+        finally:
+            self.text_encoder.train(training)
+            for t, side in sides:
+                t.padding_side = side
+
+    def _merge_branches(self, neg, pos):
+        # Batched CFG: the shorter prompt is padded (masked) to the longer one's length.
+        length = max(neg["embeds"].shape[1], pos["embeds"].shape[1])
+        embeds, masks = [], []
+        for b in (neg, pos):
+            e = b["embeds"]
+            m = b["mask"] if b["mask"] is not None else torch.ones(e.shape[:2], dtype=torch.long, device=e.device)
+            embeds.append(torch.nn.functional.pad(e, (0, 0, 0, length - e.shape[1])))
+            masks.append(torch.nn.functional.pad(m, (0, length - m.shape[1])))
+        return {"embeds": torch.cat(embeds), "mask": torch.cat(masks)}
+
+    def encode_condition(self, prompts, images=None, *, height, width, negative_prompt=" ", max_sequence_length=512):
+        """prompts: the text the image model reads (prompt, or prompt + reasoning). images: the previous images
+        (PIL or [B, 3, H, W] in [0, 1]) for an edit; the VLM sees them as QwenImageEditPipeline shows them."""
+        prompts, negs = self._prompts(prompts, negative_prompt)
+        vsf, dev = self.pipe.vae_scale_factor, self.device
+        shapes = [(1, height // vsf // 2, width // vsf // 2)]
+        image_latents = None
+        with self._conditioning():
+            if images is None:
+                encode = self.t2i.encode_prompt
+                kw = dict(device=dev, max_sequence_length=max_sequence_length)
+            else:
+                if self.edit is None:
+                    raise ValueError("Qwen-Image edit needs a processor (components={'processor': ...})")
+                pil = _to_pil(images, self.edit.image_processor)
+                if len(pil) != len(prompts) or len({im.size for im in pil}) != 1:
+                    raise ValueError("edit: one image per prompt, all of one size")
+                # As QwenImageEditPipeline.__call__: the input image is resized to ~edit_area pixels for both the
+                # VLM and the VAE, and its tokens carry their own RoPE shape.
+                ratio = pil[0].size[0] / pil[0].size[1]
+                cw, ch, _ = calculate_dimensions(self.edit_area, ratio)
+                pil = [self.edit.image_processor.resize(im, ch, cw) for im in pil]
+                image_latents = self.encode_image(pil, ch, cw)
+                shapes.append((1, ch // vsf // 2, cw // vsf // 2))
+                encode = self.edit.encode_prompt
+                kw = dict(image=pil, device=dev, max_sequence_length=max_sequence_length)
+            embeds, mask = encode(prompts, **kw)
+            neg = None
+            if negs is not None:
+                neg_embeds, neg_mask = encode(negs, **kw)
+                neg = {"embeds": neg_embeds, "mask": neg_mask}
+        return FlowCondition(pos={"embeds": embeds, "mask": mask}, neg=neg, height=height, width=width,
+                             image_latents=image_latents, shared={"img_shapes": shapes})
+
+    def condition_from_embeds(self, embeds, mask=None, neg_embeds=None, neg_mask=None, *, height, width):
+        """A text-to-image condition from hidden states computed elsewhere (as encode_prompt returns them)."""
+        vsf = self.pipe.vae_scale_factor
+        neg = None if neg_embeds is None else {"embeds": neg_embeds, "mask": neg_mask}
+        return FlowCondition(pos={"embeds": embeds, "mask": mask}, neg=neg, height=height, width=width,
+                             shared={"img_shapes": [(1, height // vsf // 2, width // vsf // 2)]})
+
+    def prepare_latents(self, batch_size, height, width, generator=None):
+        channels = self.transformer.config.in_channels // 4
+        return self.t2i.prepare_latents(batch_size, channels, height, width, torch.float32, self.device, generator)
+
+    def schedule(self, num_steps, latents, shift=None):
+        cfg = self.scheduler.config
+        mu = calculate_shift(latents.shape[1], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        return _schedule(self._scheduler(shift), num_steps, self.device, sigmas, mu)
+
+    def forward(self, x, timestep, cond, branch, guidance):
+        batch, n = x.shape[:2]
+        hidden = x if cond.image_latents is None else torch.cat([x, cond.image_latents.to(x.dtype)], dim=1)
+        embedded = None
+        if self.transformer.config.guidance_embeds:  # guidance-distilled checkpoints take the scale as input
+            if guidance.embedded is None:
+                raise ValueError("this Qwen-Image transformer is guidance-distilled: set Guidance(embedded=...)")
+            embedded = torch.full([batch], guidance.embedded, device=x.device, dtype=torch.float32)
+        out = self.denoiser(hidden_states=hidden, timestep=timestep.to(x.dtype) / 1000, guidance=embedded,
+                            encoder_hidden_states_mask=branch["mask"], encoder_hidden_states=branch["embeds"],
+                            img_shapes=[cond.shared["img_shapes"]] * batch, attention_kwargs={},
+                            return_dict=False)[0]
+        return out[:, :n]
+
+    def _vae_stats(self, dtype, device):
+        z = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(device, dtype)
+        std = torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(device, dtype)
+        return mean, std
+
+    def decode(self, latents, height, width, output_type="pt"):
+        lat = self.t2i._unpack_latents(latents, height, width, self.t2i.vae_scale_factor).to(self.vae.dtype)
+        mean, std = self._vae_stats(lat.dtype, lat.device)
+        image = self.vae.decode(lat / (1.0 / std) + mean, return_dict=False)[0][:, :, 0]  # the pipeline's rounding
+        return self.t2i.image_processor.postprocess(image, output_type=output_type)
+
+    def encode_image(self, images, height, width):
+        """Clean packed latents of images (PIL list or [B, 3, H, W] in [0, 1]) at height x width."""
+        image = self.t2i.image_processor.preprocess(_to_pil(images, self.t2i.image_processor), height, width)
+        image = image.unsqueeze(2).to(self.device, self.vae.dtype)  # the video VAE's frame axis
+        lat = retrieve_latents(self.vae.encode(image), sample_mode="argmax")
+        mean, std = self._vae_stats(lat.dtype, lat.device)
+        lat = (lat - mean) / std
+        return self.t2i._pack_latents(lat, lat.shape[0], lat.shape[1], lat.shape[3], lat.shape[4]).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Pipelines with their own frozen text encoders
+# --------------------------------------------------------------------------------------------------
+
+
+class _VaeScaled:
+    """SD3 / FLUX.1 VAE convention: latents = (z - shift_factor) * scaling_factor."""
+
+    def _to_vae(self, lat):
+        cfg = self.vae.config
+        return lat / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+
+    def _from_vae(self, z):
+        cfg = self.vae.config
+        return (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
+
+    def _vae_encode(self, images, height, width):
+        image = self.pipe.image_processor.preprocess(_to_pil(images, self.pipe.image_processor), height, width)
+        # The mode, not a draw: an image has one latent, so a refine's start does not depend on the VAE noise.
+        z = self.vae.encode(image.to(self.device, self.vae.dtype)).latent_dist.mode()
+        return self._from_vae(z).float()
+
+
+class SD3Generator(_VaeScaled, FlowGenerator):
+    """StableDiffusion3Pipeline (SD3 / SD3.5): CLIP-L + CLIP-G + T5 prompt encoding, standard CFG in one batch.
+    Refine = SDEdit from the previous image. `condition_from_embeds` takes embeddings from elsewhere."""
+
+    pipeline_class = StableDiffusion3Pipeline
+    cfg_batched = True
+    lora_targets = DEFAULT_LORA_TARGETS[:7]
+
+    def encode_condition(self, prompts, images=None, *, height, width, negative_prompt="", max_sequence_length=256):
+        prompts, negs = self._prompts(prompts, negative_prompt)
+        with torch.no_grad():
+            embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
+                prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+                do_classifier_free_guidance=negs is not None, negative_prompt=negs,
+                max_sequence_length=max_sequence_length)
+            init = None if images is None else self.encode_image(images, height, width)
+        return self.condition_from_embeds(embeds, pooled, neg_embeds, neg_pooled, height=height, width=width,
+                                          init_latents=init)
+
+    def condition_from_embeds(self, embeds, pooled, neg_embeds=None, neg_pooled=None, *, height, width,
+                              init_latents=None):
+        neg = None if neg_embeds is None else {"embeds": neg_embeds, "pooled": neg_pooled}
+        return FlowCondition(pos={"embeds": embeds, "pooled": pooled}, neg=neg, height=height, width=width,
+                             init_latents=init_latents)
+
+    def prepare_latents(self, batch_size, height, width, generator=None):
+        channels = self.transformer.config.in_channels
+        return self.pipe.prepare_latents(batch_size, channels, height, width, torch.float32, self.device, generator)
+
+    def schedule(self, num_steps, latents, shift=None):
+        sched, mu = self._scheduler(shift), None
+        if sched.config.get("use_dynamic_shifting", None):
+            p = self.transformer.config.patch_size
+            cfg = sched.config
+            mu = calculate_shift((latents.shape[2] // p) * (latents.shape[3] // p), cfg.get("base_image_seq_len", 256),
+                                 cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                                 cfg.get("max_shift", 1.16))
+        return _schedule(sched, num_steps, self.device, None, mu)
+
+    def forward(self, x, timestep, cond, branch, guidance):
+        return self.denoiser(hidden_states=x, timestep=timestep, encoder_hidden_states=branch["embeds"],
+                             pooled_projections=branch["pooled"], return_dict=False)[0]
+
+    def decode(self, latents, height, width, output_type="pt"):
+        image = self.vae.decode(self._to_vae(latents.to(self.vae.dtype)), return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type=output_type)
+
+    def encode_image(self, images, height, width):
+        return self._vae_encode(images, height, width)
+
+
+class FluxGenerator(_VaeScaled, FlowGenerator):
+    """FluxPipeline (FLUX.1): CLIP pooled + T5 sequence; guidance-distilled (Guidance.embedded, default 3.5) with
+    optional true CFG when a negative prompt is given. Refine = SDEdit from the previous image."""
+
+    pipeline_class = FluxPipeline
+
+    def encode_condition(self, prompts, images=None, *, height, width, negative_prompt=None, max_sequence_length=512):
+        prompts, negs = self._prompts(prompts, negative_prompt)
+        with torch.no_grad():
+            embeds, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
+                                                              max_sequence_length=max_sequence_length)
+            neg = None
+            if negs is not None:
+                neg_embeds, neg_pooled, _ = self.pipe.encode_prompt(prompt=negs, prompt_2=None, device=self.device,
+                                                                    max_sequence_length=max_sequence_length)
+                neg = {"embeds": neg_embeds, "pooled": neg_pooled}
+            init = None if images is None else self.encode_image(images, height, width)
+        vsf = self.pipe.vae_scale_factor
+        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        img_ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
+        return FlowCondition(pos={"embeds": embeds, "pooled": pooled}, neg=neg, height=height, width=width,
+                             init_latents=init, shared={"txt_ids": txt_ids, "img_ids": img_ids})
+
+    def prepare_latents(self, batch_size, height, width, generator=None):
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(batch_size, channels, height, width, torch.float32, self.device,
+                                         generator)[0]
+
+    def schedule(self, num_steps, latents, shift=None):
+        sched = self._scheduler(shift)
+        cfg = sched.config
+        mu = calculate_shift(latents.shape[1], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        return _schedule(sched, num_steps, self.device, _linear_sigmas(sched, num_steps), mu)
+
+    def forward(self, x, timestep, cond, branch, guidance):
+        embedded = None
+        if self.transformer.config.guidance_embeds:
+            value = 3.5 if guidance.embedded is None else guidance.embedded  # FluxPipeline's default guidance_scale
+            embedded = torch.full([x.shape[0]], value, device=x.device, dtype=torch.float32)
+        return self.denoiser(hidden_states=x, timestep=timestep.to(x.dtype) / 1000, guidance=embedded,
+                             pooled_projections=branch["pooled"], encoder_hidden_states=branch["embeds"],
+                             txt_ids=cond.shared["txt_ids"], img_ids=cond.shared["img_ids"], return_dict=False)[0]
+
+    def decode(self, latents, height, width, output_type="pt"):
+        lat = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+        image = self.vae.decode(self._to_vae(lat.to(self.vae.dtype)), return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type=output_type)
+
+    def encode_image(self, images, height, width):
+        z = self._vae_encode(images, height, width)
+        return self.pipe._pack_latents(z, *z.shape)
+
+
+class Flux2KleinGenerator(FlowGenerator):
+    """Flux2KleinPipeline (FLUX.2 Klein): Qwen3 hidden states of chosen layers, CFG with the empty prompt (base
+    models; distilled ones run without), refine = the pipeline's reference-image path (tokens joined, time id 10)."""
+
+    pipeline_class = Flux2KleinPipeline
+    lora_targets = DEFAULT_LORA_TARGETS + ("to_qkv_mlp_proj", "to_out")
+
+    def __init__(self, pipe, *, text_encoder_out_layers=(9, 18, 27)):
+        super().__init__(pipe)
+        self.text_encoder_out_layers = tuple(text_encoder_out_layers)
+
+    @property
+    def cfg_allowed(self):
+        return not self.pipe.config.is_distilled
+
+    def encode_condition(self, prompts, images=None, *, height, width, negative_prompt="", max_sequence_length=512):
+        prompts, negs = self._prompts(prompts, negative_prompt)
+        kw = dict(device=self.device, max_sequence_length=max_sequence_length,
+                  text_encoder_out_layers=self.text_encoder_out_layers)
+        with torch.no_grad():
+            embeds, txt_ids = self.pipe.encode_prompt(prompt=prompts, **kw)
+            neg = None
+            if negs is not None:
+                neg_embeds, neg_ids = self.pipe.encode_prompt(prompt=negs, **kw)
+                neg = {"embeds": neg_embeds, "txt_ids": neg_ids}
+            image_latents = image_ids = None
+            if images is not None:
+                image_latents, image_ids = self._reference_latents(images)
+        vsf = self.pipe.vae_scale_factor
+        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        latent_ids = self.pipe._prepare_latent_ids(torch.empty(1, 1, h // 2, w // 2)).to(self.device)
+        extra = {} if image_ids is None else {"image_ids": image_ids}
+        return FlowCondition(pos={"embeds": embeds, "txt_ids": txt_ids}, neg=neg, height=height, width=width,
+                             image_latents=image_latents, extra=extra, shared={"latent_ids": latent_ids})
+
+    def _reference_latents(self, images):
+        # Per sample, as Flux2KleinPipeline.__call__ prepares one reference image (its batch shares one list).
+        latents, ids = [], []
+        multiple_of = self.pipe.vae_scale_factor * 2
+        for img in _to_pil(images, self.pipe.image_processor):
+            if img.size[0] * img.size[1] > 1024 * 1024:
+                img = self.pipe.image_processor._resize_to_target_area(img, 1024 * 1024)
+            w, h = img.size[0] // multiple_of * multiple_of, img.size[1] // multiple_of * multiple_of
+            img = self.pipe.image_processor.preprocess(img, height=h, width=w, resize_mode="crop")
+            lat, lat_ids = self.pipe.prepare_image_latents([img], 1, None, self.device, self.vae.dtype)
+            latents.append(lat)
+            ids.append(lat_ids)
+        if len({t.shape for t in latents}) != 1:
+            raise ValueError("Klein refine: all reference images of a batch must have one size")
+        return torch.cat(latents).float(), torch.cat(ids)
+
+    def prepare_latents(self, batch_size, height, width, generator=None):
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(batch_size, channels, height, width, torch.float32, self.device,
+                                         generator)[0]
+
+    def schedule(self, num_steps, latents, shift=None):
+        sched = self._scheduler(shift)
+        mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=num_steps)
+        return _schedule(sched, num_steps, self.device, _linear_sigmas(sched, num_steps), mu)
+
+    def forward(self, x, timestep, cond, branch, guidance):
+        batch, n = x.shape[:2]
+        ids = cond.shared["latent_ids"].expand(batch, -1, -1)
+        if cond.image_latents is not None:
+            x = torch.cat([x, cond.image_latents.to(x.dtype)], dim=1)
+            ids = torch.cat([ids, cond.extra["image_ids"]], dim=1)
+        out = self.denoiser(hidden_states=x, timestep=timestep.to(x.dtype) / 1000, guidance=None,
+                            encoder_hidden_states=branch["embeds"], txt_ids=branch["txt_ids"], img_ids=ids,
+                            return_dict=False)[0]
+        return out[:, :n]
+
+    def _bn(self, dtype, device):
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(device, dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(device, dtype)
+        return mean, std
+
+    def decode(self, latents, height, width, output_type="pt"):
+        vsf = self.pipe.vae_scale_factor
+        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        ids = self.pipe._prepare_latent_ids(torch.empty(latents.shape[0], 1, h // 2, w // 2)).to(latents.device)
+        lat = self.pipe._unpack_latents_with_ids(latents, ids, h // 2, w // 2)
+        mean, std = self._bn(lat.dtype, lat.device)
+        lat = self.pipe._unpatchify_latents(lat * std + mean)
+        image = self.vae.decode(lat.to(self.vae.dtype), return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type=output_type)
+
+    def encode_image(self, images, height, width):
+        image = self.pipe.image_processor.preprocess(_to_pil(images, self.pipe.image_processor), height, width)
+        lat = self.pipe._encode_vae_image(image.to(self.device, self.vae.dtype), None)
+        return self.pipe._pack_latents(lat).float()
+
+
+ADAPTERS = {
+    "QwenImagePipeline": QwenImageGenerator,
+    "QwenImageEditPipeline": QwenImageGenerator,
+    "StableDiffusion3Pipeline": SD3Generator,
+    "FluxPipeline": FluxGenerator,
+    "Flux2KleinPipeline": Flux2KleinGenerator,
+}
+
+__all__ = ["ADAPTERS", "Flux2KleinGenerator", "FluxGenerator", "QwenImageGenerator", "SD3Generator"]
