@@ -3,10 +3,13 @@
     python bench/bench_logprob.py                  # CPU: N = 2048, 4096; H = 1024; V = 151936; fp32
     python bench/bench_logprob.py --quick          # small shapes, a few minutes
     python bench/bench_logprob.py --device cuda --dtype bf16 --tokens 4096 16384 32768 --roofline
+    python bench/bench_logprob.py --device cuda --dtype autocast --tokens 16384 --roofline  # fp32 + bf16 autocast
 
 Methods: naive = full logits -> log_softmax -> gather; trl = trl.kernels.ChunkedLogProbFunction
 (TRL's GRPO settings: 32768-column chunks, log-probs only), skipped when trl is not installed;
 ours = kernels.fused_token_logprobs. Every label is valid, so all three score the same N rows.
+`--dtype autocast` keeps hidden states and weight in fp32 and runs every method under bf16 autocast (what
+`--bf16` mixed precision gives the LM head); its cuBLAS roofline is the bf16 GEMMs.
 
 Activation memory = peak memory during forward + backward minus what was allocated before (inputs,
 weight) minus the gradients that must be returned (grad_hidden, and grad_weight with a trainable
@@ -62,10 +65,12 @@ def make_inputs(n, hdim, vocab, dtype, device, trainable, seed=0):
     return hidden, weight, labels, upstream
 
 
-def step(method, hidden, weight, labels, upstream):
+def step(method, hidden, weight, labels, upstream, autocast=False):
     hidden.grad = None
     weight.grad = None
-    (logprobs(method, hidden, weight, labels) * upstream).sum().backward()
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = (logprobs(method, hidden, weight, labels) * upstream).sum()
+    loss.backward()
 
 
 def returned_grad_bytes(hidden, weight):
@@ -97,12 +102,13 @@ def _rss_mib():
 
 
 def run_config(cfg):
-    device, dtype = cfg["device"], getattr(torch, cfg["dtype"])
+    device, autocast = cfg["device"], cfg["dtype"] == "autocast"
+    dtype = torch.float32 if autocast else getattr(torch, cfg["dtype"])
     hidden, weight, labels, upstream = make_inputs(cfg["n"], cfg["hidden"], cfg["vocab"], dtype, device,
                                                    cfg["trainable"])
     method = cfg["method"]
     # warm-up on a few rows: library initialisation, kernel compilation, imports
-    step(method, hidden[:64].detach().requires_grad_(), weight, labels[:64], upstream[:64])
+    step(method, hidden[:64].detach().requires_grad_(), weight, labels[:64], upstream[:64], autocast)
     hidden.grad = weight.grad = None
     grads = returned_grad_bytes(hidden, weight) / MIB
     times = []
@@ -115,7 +121,7 @@ def run_config(cfg):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            step(method, hidden, weight, labels, upstream)
+            step(method, hidden, weight, labels, upstream, autocast)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1000)
@@ -126,7 +132,7 @@ def run_config(cfg):
             f.write("5")  # resets the peak-RSS counter to the current RSS
         for _ in range(cfg["repeats"]):
             t0, c0 = time.perf_counter(), time.process_time()
-            step(method, hidden, weight, labels, upstream)
+            step(method, hidden, weight, labels, upstream, autocast)
             times.append((time.perf_counter() - t0, time.process_time() - c0))
         peak = _peak_rss_mib()
         best = min(times, key=lambda t: t[1])
@@ -208,8 +214,8 @@ def format_table(rows, roofline, clock):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "fp32", "bf16"],
-                        help="default: float32 on the CPU, bfloat16 on CUDA")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "fp32", "bf16", "autocast"],
+                        help="default: float32 on the CPU, bfloat16 on CUDA; autocast: fp32 tensors, bf16 autocast")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="N values (default 2048 4096)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=151936)
@@ -247,7 +253,8 @@ def main(argv=None):
         for head in args.heads:
             cublas = None
             if args.roofline and args.device == "cuda":
-                secs = cublas_seconds(n, args.hidden, vocab, getattr(torch, dtype), head == "trainable")
+                gemm_dtype = torch.bfloat16 if dtype == "autocast" else getattr(torch, dtype)
+                secs = cublas_seconds(n, args.hidden, vocab, gemm_dtype, head == "trainable")
                 cublas = head_flops(n, args.hidden, vocab, head == "trainable") / secs / 1e12
             for method in methods:
                 cfg = {"device": args.device, "dtype": dtype, "n": n, "hidden": args.hidden, "vocab": vocab,

@@ -16,6 +16,13 @@ Backends: "torch" loops over tiles with in-place torch ops (the CPU path, and th
 all) and folds the recomputed tiles of the backward in single-pass kernels, with the gradient
 matmuls left to cuBLAS. "auto" picks Triton for CUDA tensors.
 
+Precision. The GEMMs run in the compute dtype: the autocast dtype when autocast is on for the tensors'
+device (fp32 weights are cast tile by tile, or inside the Triton kernel; no bf16 copy of the whole head
+is made), else the inputs' promoted dtype. Softmax statistics and gradient sums are always fp32. A
+bf16/fp16 GEMM whose result is summed uses cuBLAS's fp32-output GEMM on CUDA; where torch has none
+(probed once per device type) CUDA falls back to fp32 GEMMs with a warning, once, and the CPU rounds
+each tile's product to the compute dtype and sums the tiles in fp32.
+
 Over 400 lines on purpose: the Triton kernels sit beside the torch path they must equal, tile for tile,
 so that one file shows both and the tests compare them.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -66,10 +74,12 @@ def fused_token_logprobs(
     """log p(label | hidden) under logits = (hidden @ weight.T + bias) / temperature.
 
     hidden [..., H], weight [V, H], labels [...] (int). Returns fp32 of labels' shape, 0.0 where
-    labels == ignore_index; with return_entropy=True returns (logp, entropy).
+    labels == ignore_index; with return_entropy=True returns (logp, entropy). Under autocast the GEMMs
+    run in the autocast dtype (statistics in fp32); gradients come back in the inputs' dtypes.
     """
     _check_head_inputs(hidden, weight, labels, bias, temperature)
     use_triton = _use_triton(backend, hidden)
+    cdtype = compute_dtype(hidden, weight)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     keep = (flat_labels != ignore_index).nonzero().squeeze(1)
@@ -77,7 +87,7 @@ def fused_token_logprobs(
     _check_label_range(kept_labels, weight.shape[0], ignore_index)
     logp, entropy = _FusedLogProb.apply(
         flat_hidden.index_select(0, keep), weight, bias, kept_labels, 1.0 / temperature, return_entropy, use_triton,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), cdtype,
     )
     # index_copy keeps the result connected to the graph even when no label is kept
     zeros = torch.zeros(flat_labels.shape, device=hidden.device, dtype=torch.float32)
@@ -175,6 +185,15 @@ def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
     return True
 
 
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head GEMMs run in: autocast's when it is on for hidden's device (as a plain
+    `hidden @ weight.T` would), else the promoted dtype of the inputs."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared helpers
 # ----------------------------------------------------------------------------------------------
@@ -207,6 +226,47 @@ def _logits_tile(h, w, b, inv_t, out):
     return torch.addmm(b, h, w.t(), beta=inv_t, alpha=inv_t, out=out)
 
 
+# device type -> (has a bf16/fp16 GEMM with fp32 output, why not), probed once
+_FP32_OUT_GEMM: dict = {}
+_WARNED: set = set()
+
+
+def _warn_once(key, message):
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _fp32_out_gemm(device) -> tuple[bool, str]:
+    """Whether torch has a bf16/fp16 GEMM writing fp32 (`torch.mm(..., out_dtype=torch.float32)`) here."""
+    if device.type not in _FP32_OUT_GEMM:
+        a = torch.zeros(2, 2, device=device, dtype=torch.bfloat16)
+        try:
+            torch.mm(a, a, out_dtype=torch.float32)
+            _FP32_OUT_GEMM[device.type] = (True, "")
+        except (TypeError, RuntimeError) as err:  # NotImplementedError is a RuntimeError
+            _FP32_OUT_GEMM[device.type] = (False, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    return _FP32_OUT_GEMM[device.type]
+
+
+def _low_precision_gemm_mode(device) -> str:
+    """How a bf16/fp16 GEMM whose result must be fp32 runs on `device`.
+
+    "fp32_out": one GEMM on tensor cores writing fp32. "round" (CPU without it): the GEMM in the low
+    precision, its product rounded once and summed in fp32. "fp32" (CUDA without it): operands upcast,
+    no tensor cores; warned once.
+    """
+    ok, why = _fp32_out_gemm(device)
+    if ok:
+        return "fp32_out"
+    if device.type == "cpu":
+        return "round"
+    _warn_once(("fp32-gemm", device.type),
+               f"fused_token_logprobs: torch {torch.__version__} has no bf16/fp16 GEMM with fp32 output on "
+               f"{device.type} ({why}); its head GEMMs fall back to fp32 (no tensor cores, several times slower)")
+    return "fp32"
+
+
 def _raw_logits_fp32(h, w, out):
     """out = h @ w.T in fp32 even for bf16/fp16 inputs (the Triton folds add bias and 1/T).
 
@@ -215,26 +275,31 @@ def _raw_logits_fp32(h, w, out):
     """
     if h.dtype not in _LOW_PRECISION:
         return torch.mm(h, w.t(), out=out)
-    if h.is_cuda:
-        try:
-            return torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
-        except (TypeError, RuntimeError):  # torch without the fp32-output GEMM
-            pass
+    if _low_precision_gemm_mode(h.device) == "fp32_out":
+        return torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
+    # rounding the product is not an option here; on the CPU this is the interpreter's path only
     return torch.mm(h.float(), w.float().t(), out=out)
 
 
 def _addmm_fp32(acc, a, b, alpha=1.0, beta=1.0):
-    """acc = beta * acc + alpha * a @ b in fp32, without rounding a @ b to bf16/fp16 first.
+    """acc = beta * acc + alpha * a @ b in fp32 with a @ b in b's dtype (a is cast to it).
 
     beta = 0 ignores acc's content (it may be uninitialised).
     """
-    if acc.is_cuda and b.dtype in _LOW_PRECISION:
-        try:
-            torch.addmm(acc, a.to(b.dtype), b, alpha=alpha, beta=beta, out_dtype=torch.float32, out=acc)
-            return
-        except (TypeError, RuntimeError):  # torch without the fp32-output GEMM
-            pass
-    acc.addmm_(a.float(), b.float(), alpha=alpha, beta=beta)
+    if b.dtype not in _LOW_PRECISION:
+        acc.addmm_(a.to(b.dtype), b, alpha=alpha, beta=beta)
+        return
+    mode = _low_precision_gemm_mode(acc.device)
+    if mode == "fp32_out":
+        torch.addmm(acc, a.to(b.dtype), b, alpha=alpha, beta=beta, out_dtype=torch.float32, out=acc)
+    elif mode == "round":
+        product = torch.mm(a.to(b.dtype), b)
+        if beta == 0:
+            acc.copy_(product).mul_(alpha)
+        else:
+            acc.mul_(beta).add_(product, alpha=alpha)
+    else:  # the same product of rounded operands as "fp32_out", without tensor cores
+        acc.addmm_(a.to(b.dtype).float(), b.float(), alpha=alpha, beta=beta)
 
 
 def _new_stats(n, device, with_entropy):
@@ -315,21 +380,23 @@ def _tile_grad_torch(z, labels, col0, lse, entropy, g, g_ent, scratch):
 
 class _FusedLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_t, return_entropy, use_triton, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, inv_t, return_entropy, use_triton, grad_enabled, cdtype):
         # entropy often serves logging only: its gradient then arrives as None and costs nothing
         ctx.set_materialize_grads(False)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         # the expected head row costs a GEMM: only when hidden alone will get a gradient
         expected_row = grad_enabled and need_h and not need_w and not need_b and hidden.shape[0] > 0
-        if use_triton and not expected_row:
-            lse, target, entropy = _head_stats_triton(hidden, weight, bias, labels, inv_t, return_entropy)
-            delta = None
-        else:
-            lse, target, entropy, delta = _head_forward_tiles(
-                hidden, weight, bias, labels, inv_t, return_entropy, expected_row, use_triton
-            )
+        # every dtype is chosen here (cdtype for the GEMMs, fp32 for the rest): autocast must not recast
+        with torch.autocast(hidden.device.type, enabled=False):
+            if use_triton and not expected_row:
+                lse, target, entropy = _head_stats_triton(hidden, weight, bias, labels, inv_t, return_entropy, cdtype)
+                delta = None
+            else:
+                lse, target, entropy, delta = _head_forward_tiles(
+                    hidden, weight, bias, labels, inv_t, return_entropy, expected_row, use_triton, cdtype
+                )
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, delta)
-        ctx.inv_t, ctx.use_triton = inv_t, use_triton
+        ctx.inv_t, ctx.use_triton, ctx.cdtype = inv_t, use_triton, cdtype
         logp = target - lse
         if entropy is None:
             entropy = torch.zeros_like(logp)
@@ -342,23 +409,22 @@ class _FusedLogProb(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or hidden.shape[0] == 0:
             return (torch.zeros_like(hidden) if need_h else None, torch.zeros_like(weight) if need_w else None,
-                    torch.zeros_like(bias) if need_b else None, None, None, None, None, None)
+                    torch.zeros_like(bias) if need_b else None, None, None, None, None, None, None)
         g = torch.zeros_like(lse) if g_logp is None else g_logp.float()
         if delta is not None and g_ent is None:
             # frozen head: d logp / d hidden = (W[label] - E_p[W]) / T, E_p[W] summed in the forward
             grad_h = (g * ctx.inv_t).unsqueeze(1) * delta.float()
-            return grad_h.to(hidden.dtype), None, None, None, None, None, None, None
+            return grad_h.to(hidden.dtype), None, None, None, None, None, None, None, None
         g_ent = None if g_ent is None else g_ent.float()
-        grads = _head_backward_tiles(
-            hidden, weight, bias, labels, lse, entropy, g, g_ent, ctx.inv_t, need_h, need_w, need_b, ctx.use_triton
-        )
-        return (*grads, None, None, None, None, None)
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, ctx.inv_t, need_h,
+                                         need_w, need_b, ctx.use_triton, ctx.cdtype)
+        return (*grads, None, None, None, None, None, None)
 
 
-def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expected_row, use_triton):
-    """Forward over (row chunk, vocab tile) pairs; with expected_row also sums E_p[W] per row."""
+def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expected_row, use_triton, cdtype):
+    """Forward over (row chunk, vocab tile) pairs in cdtype; with expected_row also sums E_p[W] per row."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    cdtype = torch.promote_types(hidden.dtype, weight.dtype)
     rows, tile = _plan(n, vocab, hidden.device)
     scratch = _Scratch(rows * tile, hidden.device)
     lse = torch.empty(n, device=hidden.device, dtype=torch.float32)
@@ -394,7 +460,7 @@ def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expec
 
 
 def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, inv_t, need_h, need_w, need_b,
-                         use_triton):
+                         use_triton, cdtype):
     """Recompute each tile once (vocabulary outer, rows inner) and accumulate the gradients.
 
     With d loss / dz_ij = -c_i q_ij (see _tile_grad_torch) and z = (h W^T + b) / T:
@@ -403,14 +469,12 @@ def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, i
     n, hdim = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
-    cdtype = torch.promote_types(hidden.dtype, weight.dtype)
     rows, tile = _plan(n, vocab, device)
     scratch = _Scratch(rows * tile, device)
     row_scale = (g if g_ent is None else torch.ones_like(g)) * inv_t  # c_i / T
     soft_sum = torch.empty(n, hdim, device=device) if need_h else None  # sum_j q_ij W_j
-    # rows of hidden pre-scaled by c_i / T; kept in bf16/fp16 on CUDA so the GEMM stays on tensor cores
-    h_dtype = cdtype if hidden.is_cuda else torch.float32
-    h_w = (hidden.float() * row_scale.unsqueeze(1)).to(h_dtype) if need_w else None
+    # rows of hidden pre-scaled by c_i / T, in the compute dtype (the weight-gradient GEMM's operand)
+    h_w = (hidden.float() * row_scale.unsqueeze(1)).to(cdtype) if need_w else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.empty(vocab, device=device, dtype=torch.float32) if need_b else None
     direct_w = need_w and weight.dtype == torch.float32  # accumulate straight into the returned gradient
@@ -526,11 +590,25 @@ def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
 
 
+def _round_by_hand(dtype) -> bool:
+    """The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even: round by hand there."""
+    return _interpreting() and dtype == torch.bfloat16
+
+
+@_jit
+def _round_to_bf16(x):
+    # fp32 -> the nearest bf16 value (ties to even), still in fp32; a later cast to bf16 is then exact
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
 @_jit
 def _head_stats_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr, max_ptr, sum_ptr, zexp_ptr, target_ptr,
     n_rows, vocab, hdim, cols_per_split, n_splits, inv_t, stride_h, stride_w,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAST_W: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # One program: BLOCK_N rows x one vocabulary split. The head GEMM and the online logsumexp are
@@ -557,6 +635,11 @@ def _head_stats_kernel(
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if CAST_W:  # autocast over fp32 weights: the tile is cast here, no bf16 copy of the head exists
+                if ROUND_BY_HAND:
+                    w = _round_to_bf16(w)
+                else:
+                    w = w.to(h.dtype)
             if UPCAST:  # the Triton interpreter multiplies bf16 operands as raw bits
                 h = h.to(tl.float32)
                 w = w.to(tl.float32)
@@ -588,7 +671,7 @@ def _fold_forward_kernel(
     x_ptr, stride_x, row_index_ptr, labels_ptr, b_ptr, e_ptr, stride_e, max_ptr, sum_ptr, zexp_ptr, target_ptr,
     rescale_ptr, n_cols, col0, scale,
     HAS_ROW_INDEX: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, WRITE_EXP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per row: fold z = (x + b) * scale into the running statistics. With WRITE_EXP,
     # exp(z - new max) goes to e for the expected-head-row GEMM that follows.
@@ -625,6 +708,8 @@ def _fold_forward_kernel(
             zexp_vec += e * tl.where(ok, z - centre, 0.0)
         target_vec += tl.where(ok & (cols == label), z, 0.0)
         if WRITE_EXP:
+            if ROUND_BY_HAND:
+                e = _round_to_bf16(e)
             tl.store(e_ptr + row.to(tl.int64) * stride_e + cols, e.to(e_ptr.dtype.element_ty), mask=ok)
     old_sum = tl.load(sum_ptr + row)
     rescale = tl.exp(old_max - centre)
@@ -643,7 +728,7 @@ def _fold_backward_kernel(
     x_ptr, stride_x, out_ptr, stride_out, row_index_ptr, labels_ptr, b_ptr, lse_ptr, entropy_ptr, g_ptr, g_ent_ptr,
     n_cols, col0, scale, out_scale,
     HAS_ROW_INDEX: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BY_G: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # out = out_scale * (a [j = label] - p_j * c) with a = (g or 1) and c = a + g_ent * (log p_j + entropy)
     row = tl.program_id(0)
@@ -671,7 +756,10 @@ def _fold_backward_kernel(
     else:
         onehot = 1.0
     grad += tl.where(cols == tl.load(labels_ptr + row) - col0, onehot, 0.0)
-    tl.store(out_ptr + src * stride_out + cols, (grad * out_scale).to(out_ptr.dtype.element_ty), mask=ok)
+    grad = grad * out_scale
+    if ROUND_BY_HAND:
+        grad = _round_to_bf16(grad)
+    tl.store(out_ptr + src * stride_out + cols, grad.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _num_sms(device) -> int:
@@ -680,42 +768,102 @@ def _num_sms(device) -> int:
     return 1
 
 
-def _head_blocks(dtype):
-    """(BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages) for the fused head kernel."""
-    if _interpreting():
-        return 16, 32, 16, 1, 1
-    if dtype in _LOW_PRECISION:
-        return 128, 128, 64, 8, 3
-    return 64, 64, 32, 4, 2
+# Launch configurations of the fused head kernel, best first: (BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
+# num_stages). Each pipeline stage holds a BLOCK_N x BLOCK_H hidden tile and a BLOCK_V x BLOCK_H weight
+# tile in shared memory; the first that fits the card's per-block limit is used (128 x 128 x 64 in 3
+# stages needs 96 KiB in bf16: H100 / A100, not A10 / L4 / L40S / RTX 4090 with 99 KiB).
+HEAD_CONFIGS_LOW_PRECISION = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 2),
+    (128, 64, 64, 4, 3),
+    (64, 64, 64, 4, 3),
+    (64, 64, 32, 4, 2),
+]
+HEAD_CONFIGS_FP32 = [
+    (64, 64, 32, 4, 3),
+    (64, 64, 32, 4, 2),
+    (32, 64, 32, 4, 2),
+    (32, 32, 32, 4, 1),
+]
+INTERPRETER_HEAD_CONFIG = (16, 32, 16, 1, 1)
+SMEM_RESERVE = 8 * 1024  # reductions and layout conversions of the epilogue
+SMEM_FALLBACK = 99 * 1024  # when the device does not report its opt-in limit: the smallest recent card's
+_HEAD_CONFIG_CACHE: dict = {}
+
+
+def head_smem_bytes(config, h_bytes, w_bytes) -> int:
+    """Shared memory the pipelined operand tiles of a head-kernel config need."""
+    block_n, block_v, block_h, _, stages = config
+    return max(1, stages) * block_h * (block_n * h_bytes + block_v * w_bytes)
+
+
+def head_configs(cdtype, w_dtype, smem_limit) -> list:
+    """The launch configurations that fit `smem_limit` bytes per block, best first (never empty)."""
+    candidates = HEAD_CONFIGS_LOW_PRECISION if cdtype in _LOW_PRECISION else HEAD_CONFIGS_FP32
+    h_bytes, w_bytes = torch.empty((), dtype=cdtype).element_size(), torch.empty((), dtype=w_dtype).element_size()
+    fitting = [c for c in candidates if head_smem_bytes(c, h_bytes, w_bytes) + SMEM_RESERVE <= smem_limit]
+    return fitting or [min(candidates, key=lambda c: head_smem_bytes(c, h_bytes, w_bytes))]
+
+
+def _smem_limit(device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or SMEM_FALLBACK
 
 
 def _fold_block(n_cols):
     return 32 if _interpreting() else min(1024, triton.next_power_of_2(max(n_cols, 16)))
 
 
-def _head_stats_triton(hidden, weight, bias, labels, inv_t, with_entropy):
+def _head_stats_triton(hidden, weight, bias, labels, inv_t, with_entropy, cdtype):
     """Forward statistics from one fused kernel; vocabulary splits keep every SM busy for small N."""
+    n = hidden.shape[0]
+    if n == 0:
+        empty = torch.zeros(0, device=hidden.device, dtype=torch.float32)
+        return empty, empty, (empty if with_entropy else None)
+    hidden = hidden.to(cdtype).contiguous()
+    weight = weight.contiguous()
+    if _interpreting():  # the interpreter has no shared memory limit; tests set the config to run
+        return _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy, INTERPRETER_HEAD_CONFIG)
+    key = (hidden.device.index, cdtype, weight.dtype)
+    return _with_fitting_config(key, lambda: head_configs(cdtype, weight.dtype, _smem_limit(hidden.device)),
+                                lambda config: _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy,
+                                                                  config))
+
+
+def _with_fitting_config(key, candidates, launch):
+    """launch(config) with the best cached configuration for `key` (candidates() the first time). One the GPU
+    rejects (Triton's OutOfResources: the estimate was short) is dropped for good, with a warning, once."""
+    if key not in _HEAD_CONFIG_CACHE:
+        _HEAD_CONFIG_CACHE[key] = list(candidates())
+    configs = _HEAD_CONFIG_CACHE[key]
+    while True:
+        try:
+            return launch(configs[0])
+        except triton.runtime.errors.OutOfResources as err:
+            if len(configs) == 1:
+                raise
+            _warn_once(("head-config", key, configs[0]), f"fused_token_logprobs: launch configuration {configs[0]} "
+                       f"does not fit this GPU ({err}); using {configs[1]}")
+            configs.pop(0)
+
+
+def _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy, config):
     n, hdim = hidden.shape
     vocab = weight.shape[0]
     f32 = {"device": hidden.device, "dtype": torch.float32}
-    if n == 0:
-        empty = torch.zeros(0, **f32)
-        return empty, empty, (empty if with_entropy else None)
-    hidden = hidden.to(weight.dtype).contiguous()
-    weight = weight.contiguous()
-    block_n, block_v, block_h, warps, stages = _head_blocks(weight.dtype)
+    block_n, block_v, block_h, warps, stages = config
     row_blocks = triton.cdiv(n, block_n)
     vocab_blocks = triton.cdiv(vocab, block_v)
     wanted = 2 if _interpreting() else triton.cdiv(4 * _num_sms(hidden.device), row_blocks)
     cols_per_split = triton.cdiv(vocab_blocks, max(1, min(wanted, vocab_blocks))) * block_v
     n_splits = triton.cdiv(vocab, cols_per_split)
     parts = {name: torch.empty(n, n_splits, **f32) for name in ("max", "sumexp", "zexp", "target")}
+    low = hidden.dtype in _LOW_PRECISION
     _head_stats_kernel[(row_blocks, n_splits)](
         hidden, weight, hidden if bias is None else bias, labels, parts["max"], parts["sumexp"], parts["zexp"],
         parts["target"], n, vocab, hdim, cols_per_split, n_splits, inv_t, hidden.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-        UPCAST=_interpreting() and weight.dtype in _LOW_PRECISION,
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, DOT_PRECISION="tf32" if low else "ieee",
+        UPCAST=_interpreting() and low, CAST_W=weight.dtype != hidden.dtype, ROUND_BY_HAND=_round_by_hand(hidden.dtype),
         BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=warps, num_stages=stages,
     )
     # merge the splits' online statistics
@@ -744,7 +892,7 @@ def _fold_forward_triton(x, labels, col0, stats, scale, *, bias=None, e_out=None
         x, x.stride(0), labels if row_index is None else row_index, labels, x if bias is None else bias,
         e_out, e_out.stride(0), stats["max"], stats["sumexp"], zexp, stats["target"], rescale, x.shape[1], col0, scale,
         HAS_ROW_INDEX=row_index is not None, HAS_BIAS=bias is not None, WITH_ENTROPY=stats["zexp"] is not None,
-        WRITE_EXP=write_exp, BLOCK=_fold_block(x.shape[1]),
+        WRITE_EXP=write_exp, ROUND_BY_HAND=_round_by_hand(e_out.dtype), BLOCK=_fold_block(x.shape[1]),
     )
     return (e_out, rescale) if write_exp else (None, None)
 
@@ -758,7 +906,7 @@ def _tile_grad_triton(x, out, labels, col0, lse, entropy, g, g_ent, inv_t, bias)
         x, x.stride(0), out, out.stride(0), lse, labels, x if bias is None else bias, lse,
         lse if entropy is None else entropy, g, g if g_ent is None else g_ent, cols, col0, inv_t, -1.0,
         HAS_ROW_INDEX=False, HAS_BIAS=bias is not None, SCALE_BY_G=g_ent is not None,
-        HAS_ENTROPY_GRAD=g_ent is not None, BLOCK=block,
+        HAS_ENTROPY_GRAD=g_ent is not None, ROUND_BY_HAND=_round_by_hand(out.dtype), BLOCK=block,
     )
     return out
 
@@ -768,5 +916,6 @@ def _logits_grad_triton(logits, keep, labels, lse, g, inv_t, grad):
     block = _fold_block(vocab)
     _fold_backward_kernel[(keep.shape[0], triton.cdiv(vocab, block))](
         logits, logits.stride(0), grad, grad.stride(0), keep, labels, lse, lse, lse, g, g, vocab, 0, inv_t, inv_t,
-        HAS_ROW_INDEX=True, HAS_BIAS=False, SCALE_BY_G=True, HAS_ENTROPY_GRAD=False, BLOCK=block,
+        HAS_ROW_INDEX=True, HAS_BIAS=False, SCALE_BY_G=True, HAS_ENTROPY_GRAD=False,
+        ROUND_BY_HAND=_round_by_hand(grad.dtype), BLOCK=block,
     )

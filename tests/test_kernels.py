@@ -2,7 +2,7 @@
 
 The torch path runs here. The Triton path runs compiled on CUDA, or, on a CPU-only machine, in a
 subprocess with TRITON_INTERPRET=1 (the variable must be set before triton is imported):
-test_interpreter_suite re-runs this file's `triton` cases that way.
+test_interpreter_suite re-runs the `triton` cases of this file and of test_kernel_precision.py that way.
 """
 
 import math
@@ -355,8 +355,9 @@ def test_group_advantages_rejects_bad_input():
                     reason="the Triton cases run directly here (CUDA, or already interpreting)")
 def test_interpreter_suite():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    precision = os.path.join(os.path.dirname(__file__), "test_kernel_precision.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "triton"],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, precision, "-k", "triton"],
         capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

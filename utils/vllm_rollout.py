@@ -1,25 +1,59 @@
-"""Rollouts with vLLM running in the training process (colocate mode), for GPU users.
+"""Rollouts with vLLM running in the training process (colocate mode), fed and masked like the HF path.
 
-Each process runs its own vLLM engine (tensor parallel 1, `external_launcher`) on its own GPU, next to
-the policy. Before each generation round the policy's current weights are copied into the engine
-(LoRA adapters merged first, ZeRO-3 shards gathered first). Sampling uses one seed per completion,
-so a completion does not depend on how requests were batched. Install with
-`pip install -r requirements-vllm.txt` (it pins its own torch; use a separate environment).
+Each process runs its own engine (tensor parallel 1, `external_launcher`) on its own GPU, next to the policy.
+What the engine sees is what training scores: the trainer's own prompt token ids (image placeholders already
+expanded by the trainer's processor; vLLM gets the same pixel budget and the echoed ids are checked), the same
+stop ids, the same suppressed tokens (image placeholders, role markers), the same temperature / top-p / top-k,
+one seed per completion (a completion does not depend on how requests were batched).
+
+vLLM's log-prob of each sampled token (after temperature: `logprobs_mode="processed_logprobs"`) comes back
+with the completion. Its gap to the trainer's log-prob is logged, and truncated importance sampling corrects
+it (`importance_weights`, as TRL's `vllm_importance_sampling_*`): the policy loss of token t is multiplied by
+min(pi_train(t) / pi_vllm(t), cap).
+
+Weights go to the engine one parameter at a time (under ZeRO-3 only that parameter is gathered); LoRA layers
+are merged one layer at a time into a temporary (the policy's own weights are never modified, and no second
+copy of the model exists). Frozen weights are never sent: the engine loaded them from the same checkpoint.
+
+Flags are read from the config with defaults (`getattr(cfg, name, default)`), so any script's config works.
+Install with `pip install -r requirements-vllm.txt -c constraints-vllm.txt` (docs/distributed.md).
 """
+
+import contextlib
+import math
+import os
+import socket
 
 import torch
 
 from utils.logprobs import hf_core
-from utils.rollout import completion_mask, unwrap_for_generation
+from utils.rollout import completion_mask, encode_prompts, special_token_ids_to_suppress
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+FLAG_DEFAULTS = {
+    "vllm_gpu_memory_utilization": 0.3,  # share of the GPU's memory vLLM may take (weights, activations, KV)
+    "vllm_max_num_seqs": None,  # most sequences per engine step; none: vLLM's default
+    "vllm_max_num_batched_tokens": 4096,  # tokens per engine step (TRL's value: vLLM's profiler misjudges more)
+    "vllm_max_model_len": None,  # context window; none: --max_prompt_length + --max_completion_length
+    "vllm_enable_sleep_mode": False,  # free the engine's memory between generation rounds (sleep level 2)
+    "vllm_enforce_eager": False,  # no CUDA graphs (faster start, slower decoding)
+    "vllm_importance_sampling_correction": True,  # correct the sampler/trainer mismatch (on in TRL)
+    "vllm_importance_sampling_mode": "token_truncate",  # token or sequence ratio; truncate (cap) or mask (drop)
+    "vllm_importance_sampling_cap": 3.0,  # C: weights above it are cut to C (truncate) or to 0 (mask); TRL: 3
+}
+
+
+def flag(cfg, name):
+    return getattr(cfg, name, FLAG_DEFAULTS[name])
 
 
 def require_vllm():
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as err:
         raise ImportError(
             "--use_vllm needs vLLM, which is not installed: on a CUDA machine run "
-            "`pip install -r requirements-vllm.txt` (in its own environment: vLLM pins its own torch), "
+            "`pip install -r requirements.txt -r requirements-vllm.txt -c constraints-vllm.txt`, "
             "or drop --use_vllm to generate with transformers"
         ) from err
     if not torch.cuda.is_available():
@@ -27,71 +61,323 @@ def require_vllm():
     return vllm
 
 
+# ----------------------------------------------------------------------------------------------
+# Engine set-up (pure: tested without vLLM)
+# ----------------------------------------------------------------------------------------------
+
+
+def set_distributed_env(rank, local_rank, world_size, environ=None):
+    """What `external_launcher` reads, set as TRL does: RANK / LOCAL_RANK / WORLD_SIZE from accelerate,
+    MASTER_ADDR kept or localhost, MASTER_PORT kept or (unset, 0, auto) a free port. Returns the values."""
+    environ = os.environ if environ is None else environ
+    environ["RANK"], environ["LOCAL_RANK"], environ["WORLD_SIZE"] = str(rank), str(local_rank), str(world_size)
+    environ["MASTER_ADDR"] = environ.get("MASTER_ADDR") or "localhost"
+    if environ.get("MASTER_PORT", "").strip().lower() in ("", "0", "auto"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return {k: environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def is_vision_language(model_config):
+    return hasattr(model_config, "vision_config")
+
+
+def mm_processor_kwargs(processor=None, cfg=None):
+    """The image budget the trainer's processor uses, for vLLM's own processor: Qwen-style pixel limits
+    (`size`), tile limits of tiling processors. From the processor itself when given, else from the flags."""
+    image_processor = getattr(processor, "image_processor", None)
+    out = {}
+    if image_processor is not None:
+        size = dict(getattr(image_processor, "size", None) or {})
+        if size.get("shortest_edge") is not None and size.get("longest_edge") is not None:
+            out["size"] = {"shortest_edge": int(size["shortest_edge"]), "longest_edge": int(size["longest_edge"])}
+        if getattr(image_processor, "crop_to_patches", False) and getattr(image_processor, "max_patches", None):
+            out.update(crop_to_patches=True, max_patches=int(image_processor.max_patches))
+    elif cfg is not None:
+        for name in ("min_pixels", "max_pixels"):  # overrides vLLM's Qwen-VL processors understand
+            if getattr(cfg, name, None) is not None:
+                out[name] = int(getattr(cfg, name))
+        if getattr(cfg, "max_anyres_num", None) is not None:
+            out.update(crop_to_patches=True, max_patches=int(cfg.max_anyres_num))
+    return out
+
+
+def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max_images_per_prompt=4):
+    """Arguments of `vllm.LLM` for one colocated engine."""
+    max_len = flag(cfg, "vllm_max_model_len")
+    if max_len is None and getattr(cfg, "max_prompt_length", None):
+        max_len = cfg.max_prompt_length + cfg.max_completion_length
+    kwargs = dict(
+        model=str(model_path), tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+        gpu_memory_utilization=flag(cfg, "vllm_gpu_memory_utilization"), seed=seed,
+        dtype="bfloat16" if getattr(cfg, "bf16", False) else getattr(cfg, "dtype", "auto"),
+        enable_sleep_mode=bool(flag(cfg, "vllm_enable_sleep_mode")),
+        enforce_eager=bool(flag(cfg, "vllm_enforce_eager")),
+        # log-probs after temperature (and top-k / top-p): what the trainer's log-probs at --temperature are
+        logprobs_mode="processed_logprobs",
+    )
+    optional = dict(max_model_len=max_len, max_num_seqs=flag(cfg, "vllm_max_num_seqs"),
+                    max_num_batched_tokens=flag(cfg, "vllm_max_num_batched_tokens"))
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if vision_language:  # vLLM refuses limit_mm_per_prompt for text-only models
+        kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
+        if mm_kwargs:
+            kwargs["mm_processor_kwargs"] = dict(mm_kwargs)
+    return kwargs
+
+
+def sampling_kwargs(cfg, *, seed, stop_ids, suppress_ids):
+    """Arguments of `vllm.SamplingParams` for one completion, the same sampling as the HF path."""
+    return dict(
+        n=1, temperature=cfg.temperature, top_p=getattr(cfg, "top_p", 1.0), top_k=getattr(cfg, "top_k", None) or 0,
+        max_tokens=cfg.max_completion_length, stop_token_ids=sorted(int(i) for i in stop_ids),
+        # suppressed exactly as HF's suppress_tokens does: their logits become -inf
+        logit_bias={int(i): -math.inf for i in suppress_ids} or None,
+        seed=int(seed) & 0x7FFFFFFF, logprobs=0, detokenize=False,
+    )
+
+
+def prompt_token_ids(prompt_batch, prompt_index=None):
+    """The trainer's prompt ids, one list per completion (left padding dropped; `prompt_index` maps
+    completions to shared prompt rows)."""
+    ids, mask = prompt_batch["input_ids"].cpu(), prompt_batch["attention_mask"].cpu().bool()
+    rows = [r[m].tolist() for r, m in zip(ids, mask)]
+    return rows if prompt_index is None else [rows[i] for i in torch.as_tensor(prompt_index).tolist()]
+
+
+def vllm_prompts(token_ids, images):
+    """vLLM prompt dicts: token ids plus the images they hold placeholders for."""
+    out = []
+    for ids, imgs in zip(token_ids, images):
+        row = {"prompt_token_ids": list(ids)}
+        if imgs:
+            row["multi_modal_data"] = {"image": list(imgs) if len(imgs) > 1 else imgs[0]}
+        out.append(row)
+    return out
+
+
+def unpack_outputs(outputs, sent_ids, *, pad_token_id, stop_ids):
+    """(completion_ids [B, L], completion_mask [B, L], sampler log-probs [B, L] fp32 or None) from vLLM's
+    request outputs. The mask is the HF path's (up to and including the first stop id). Log-probs are 0 after
+    a completion's end and NaN where vLLM returned none."""
+    for i, (out, sent) in enumerate(zip(outputs, sent_ids)):
+        echoed = list(out.prompt_token_ids)
+        if echoed != list(sent):
+            raise RuntimeError(
+                f"vLLM turned prompt {i} into {len(echoed)} tokens where the trainer has {len(sent)}: its image "
+                "processor resized the images differently (pixel budget: --max_pixels / --min_pixels)")
+    rows = [list(o.outputs[0].token_ids) for o in outputs]
+    width = max([1] + [len(r) for r in rows])
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    logps = torch.zeros(len(rows), width)
+    have_logps = all(o.outputs[0].logprobs is not None for o in outputs)
+    for i, (row, out) in enumerate(zip(rows, outputs)):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        if have_logps:
+            for t, (token, entry) in enumerate(zip(row, out.outputs[0].logprobs)):
+                logps[i, t] = entry[token].logprob if token in entry else math.nan
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long() * completion_mask(ids, list(stop_ids))
+    return ids, mask, (logps if have_logps else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampler / trainer mismatch
+# ----------------------------------------------------------------------------------------------
+
+
+def importance_weights(trainer_logps, sampler_logps, mask, *, mode="token_truncate", cap=3.0):
+    """Truncated (or masked) importance weights pi_train / pi_vllm that multiply the per-token policy loss.
+
+    token_*: one ratio per token [B, T]; sequence_*: exp of the summed log-ratio of the sequence [B, 1].
+    *_truncate: min(ratio, cap); *_mask: 0 where ratio > cap. Tokens vLLM could not score (NaN) get 1.
+    The same rule as TRL 1.16's `vllm_importance_sampling_correction`.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"--vllm_importance_sampling_mode {mode!r} is not one of {IS_MODES}")
+    if not cap > 0:
+        raise ValueError(f"--vllm_importance_sampling_cap must be > 0, got {cap}")
+    diff = torch.nan_to_num((trainer_logps.detach().float() - sampler_logps.float()) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0)
+
+
+def mismatch_stats(trainer_logps, sampler_logps, mask, weights=None):
+    """Local sums for the logged divergence |logp_train - logp_vllm| over completion tokens vLLM scored,
+    and for the importance weights: reduce `*_sum` / `count` with "sum" and `*_max` with "max"."""
+    diff = (trainer_logps.detach().float() - sampler_logps.float()).abs()
+    valid = mask.bool() & ~diff.isnan()
+    d = diff[valid]
+    stats = {"count": valid.sum().float(), "diff_sum": d.sum(), "diff_max": d.max() if d.numel() else d.new_zeros(())}
+    if weights is not None:
+        w = weights.expand_as(diff)[valid] if weights.shape[-1] == 1 else weights[valid]
+        stats.update(weight_sum=w.sum(), weight_max=w.max() if w.numel() else w.new_zeros(()),
+                     neg_weight_max=(-w).max() if w.numel() else w.new_zeros(()))
+    return stats
+
+
+def mismatch_metrics(stats, reduce):
+    """Logged metrics from `mismatch_stats` after `reduce(tensor, op)` (e.g. accelerator.reduce)."""
+    count = reduce(stats["count"], "sum").clamp(min=1)
+    out = {"vllm/logp_diff_mean": (reduce(stats["diff_sum"], "sum") / count).item(),
+           "vllm/logp_diff_max": reduce(stats["diff_max"], "max").item()}
+    if "weight_sum" in stats:
+        out.update({"vllm/is_weight_mean": (reduce(stats["weight_sum"], "sum") / count).item(),
+                    "vllm/is_weight_max": reduce(stats["weight_max"], "max").item(),
+                    "vllm/is_weight_min": -reduce(stats["neg_weight_max"], "max").item()})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight sync
+# ----------------------------------------------------------------------------------------------
+
+
+def _lora_layers(core):
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in core.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _merged_lora_weight(name, layer):
+    """base weight + the deltas of the active adapters, in a new tensor (the base weight is not touched)."""
+    base = layer.get_base_layer().weight
+    if getattr(layer, "merged", False):
+        return base.data
+    delta = None
+    for adapter in layer.active_adapters:
+        if adapter not in getattr(layer, "lora_A", {}) and adapter not in getattr(layer, "lora_embedding_A", {}):
+            continue
+        if adapter in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(adapter):
+            raise ValueError(f"vLLM weight sync: {name} uses a LoRA variant (DoRA, lora_bias...); only plain LoRA "
+                             "adapters are merged layer by layer")
+        d = layer.get_delta_weight(adapter).float()
+        delta = d if delta is None else delta.add_(d)
+    return base.data if delta is None else delta.add_(base.data.float()).to(base.dtype)
+
+
+def iter_sync_weights(model, gather=None):
+    """(name, tensor) pairs to load into vLLM, with checkpoint names, one at a time.
+
+    `gather(params)` is a context manager that materialises those parameters (DeepSpeed ZeRO-3's
+    `GatheredParameters`; none otherwise): it is entered for one parameter, or for one LoRA layer (its base
+    weight and adapters), while its tensor is handed out. Frozen parameters are skipped unless LoRA adapters
+    are merged into them. Every process must iterate (under ZeRO-3 each gather is a collective).
+    """
+    gather = gather or (lambda params: contextlib.nullcontext())
+    core = hf_core(model)
+    lora = _lora_layers(core) if hasattr(model, "peft_config") else {}
+    for name, param in core.named_parameters():
+        if "lora_" in name or ".original_module." in name:
+            continue  # adapters are merged into their layer's weight; the copy modules_to_save replaced
+        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        clean = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        if owner in lora and name.endswith(".base_layer.weight"):
+            layer = lora[owner]
+            with gather(list(layer.parameters())):
+                yield clean, _merged_lora_weight(owner, layer)
+        elif param.requires_grad:
+            with gather([param]):
+                yield clean, param.data
+
+
 class VLLMRollout:
-    def __init__(self, model_path, accelerator, cfg, *, gpu_memory_utilization=0.3, max_images_per_prompt=4):
-        vllm = require_vllm()
-        self.accelerator = accelerator
-        self.cfg = cfg
-        self.llm = vllm.LLM(
-            model=model_path, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
-            gpu_memory_utilization=gpu_memory_utilization, seed=cfg.seed + accelerator.process_index,
-            max_model_len=(cfg.max_prompt_length or 2048) + cfg.max_completion_length,
-            limit_mm_per_prompt={"image": max_images_per_prompt}, dtype="bfloat16" if cfg.bf16 else "auto",
-        )
-        self._synced_step = None
+    """One colocated vLLM engine per process. `vllm` (the module) is injectable for tests."""
+
+    def __init__(self, model_path, accelerator, cfg, *, processor=None, model_config=None, max_images_per_prompt=4,
+                 vllm=None):
+        vllm = vllm or require_vllm()
+        self.vllm, self.accelerator, self.cfg = vllm, accelerator, cfg
+        if model_config is None:
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(model_path)
+        self.vision_language = is_vision_language(model_config)
+        self.max_images = max_images_per_prompt
+        mode = flag(cfg, "vllm_importance_sampling_mode")
+        importance_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), mode=mode,
+                           cap=flag(cfg, "vllm_importance_sampling_cap"))  # bad flags fail before the engine starts
+        set_distributed_env(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes)
+        self.llm = vllm.LLM(**engine_kwargs(
+            model_path, cfg, vision_language=self.vision_language, seed=cfg.seed + accelerator.process_index,
+            mm_kwargs=mm_processor_kwargs(processor, cfg), max_images_per_prompt=max_images_per_prompt))
+        self.sleep_mode = bool(flag(cfg, "vllm_enable_sleep_mode"))
+        self._synced_step, self._asleep = None, set()
+        if self.sleep_mode:  # leave the memory to training until the first generation round
+            self.sleep()
+        accelerator.wait_for_everyone()
 
     def _engine_model(self):
-        executor = self.llm.llm_engine.model_executor
-        worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
-        return worker.model_runner.model
+        worker = self.llm.llm_engine.model_executor.driver_worker
+        return getattr(worker, "worker", worker).model_runner.model
+
+    def _gather(self, policy):
+        if self.accelerator.distributed_type.name == "DEEPSPEED" and policy.zero_optimization_stage() == 3:
+            import deepspeed
+
+            return lambda params: deepspeed.zero.GatheredParameters(params)
+        return None
+
+    def sleep(self):
+        """Free the engine's GPU memory (weights and KV cache) until the next `generate`; no-op without
+        --vllm_enable_sleep_mode."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=2)  # level 2 drops the weights too: the next round reloads them from the policy
+            self._synced_step, self._asleep = None, {"weights", "kv_cache"}
 
     @torch.no_grad()
     def sync_weights(self, policy):
-        """Copy the policy's current weights into the vLLM engine (names as in the HF checkpoint)."""
-        with unwrap_for_generation(policy, self.accelerator) as unwrapped:
-            model = unwrapped.model
-            peft = hasattr(model, "merge_adapter")
-            if peft:
-                model.merge_adapter()
-            try:
-                weights = []
-                for name, param in hf_core(model).named_parameters():
-                    if peft:  # LoRA-wrapped layers keep their frozen weight under `.base_layer`
-                        if "lora_" in name:
-                            continue
-                        name = name.replace(".base_layer", "")
-                    weights.append((name, param.data))
-                self._engine_model().load_weights(weights)
-            finally:
-                if peft:
-                    model.unmerge_adapter()
+        """Copy the policy's current trainable (and LoRA-merged) weights into the engine."""
+        if "weights" in self._asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        model = self.accelerator.unwrap_model(policy).model
+        engine = self._engine_model()
+        for name, tensor in iter_sync_weights(model, self._gather(policy)):
+            engine.load_weights([(name, tensor)])
         self.llm.reset_prefix_cache()
 
-    def generate(self, policy, processor, messages, images, seeds, *, step, stop_ids):
-        """One completion per prompt; returns (completion_ids [B, L], completion_mask [B, L]) on the policy's device.
-        `stop_ids` are `utils.rollout.stop_token_ids`, the rule the HF path and evaluation use."""
-        from vllm import SamplingParams
+    def generate(self, policy, processor, messages, images, seeds, *, step, stop_ids, suppress_ids=None,
+                 prompt_batch=None, prompt_index=None, return_logprobs=False):
+        """One completion per prompt: (completion_ids [B, L], completion_mask [B, L]) on the policy's device,
+        and vLLM's log-probs of the sampled tokens [B, L] with return_logprobs=True.
 
+        Prompts are `prompt_batch` (the trainer's `encode_prompts` output; `prompt_index` maps completions to
+        its rows), else `messages` / `images` encoded by `encode_prompts` here. `stop_ids` / `suppress_ids` are
+        `utils.rollout.stop_token_ids` / `special_token_ids_to_suppress` (computed here when not given).
+        """
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if suppress_ids is None:
+            suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
+        for i, imgs in enumerate(images):
+            if len(imgs) > self.max_images:
+                raise ValueError(f"prompt {i} has {len(imgs)} images; the vLLM engine takes at most {self.max_images}")
+        if prompt_batch is None:
+            prompt_batch, prompt_index = encode_prompts(processor, messages, images,
+                                                        sample_ids=[str(i) for i in range(len(messages))]), None
+        sent = prompt_token_ids(prompt_batch, prompt_index)
+        if not len(sent) == len(images) == len(seeds):
+            raise ValueError(f"vLLM generate: {len(sent)} prompts, {len(images)} image lists and {len(seeds)} seeds; "
+                             "give one of each per completion")
         if self._synced_step != step:
             self.sync_weights(policy)
             self._synced_step = step
-        cfg = self.cfg
-        prompts = []
-        for msgs, imgs in zip(messages, images):
-            text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            prompts.append({"prompt": text, "multi_modal_data": {"image": list(imgs)}} if imgs else {"prompt": text})
-        params = [SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or -1,
-                                 max_tokens=cfg.max_completion_length, stop_token_ids=list(stop_ids),
-                                 seed=int(s) & 0x7FFFFFFF) for s in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        tokenizer = getattr(processor, "tokenizer", processor)
-        rows = [list(o.outputs[0].token_ids) for o in outputs]
-        width = max(1, max(len(r) for r in rows))
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        lengths = torch.tensor([len(r) for r in rows])
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
-        mask = mask * completion_mask(ids, list(stop_ids))
+        if "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+        params = [self.vllm.SamplingParams(**sampling_kwargs(self.cfg, seed=s, stop_ids=stop_ids,
+                                                             suppress_ids=suppress_ids)) for s in seeds]
+        outputs = self.llm.generate(vllm_prompts(sent, images), params, use_tqdm=False)
+        ids, mask, logps = unpack_outputs(outputs, sent, pad_token_id=tokenizer.pad_token_id, stop_ids=stop_ids)
         device = self.accelerator.device
-        return ids.to(device), mask.to(device)
+        if not return_logprobs:
+            return ids.to(device), mask.to(device)
+        if logps is None:
+            raise RuntimeError("vLLM returned no log-probs for the sampled tokens (SamplingParams.logprobs=0)")
+        return ids.to(device), mask.to(device), logps.to(device)
