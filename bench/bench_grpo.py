@@ -135,7 +135,7 @@ def run_ours(spec):
         max_completion_length=spec["max_completion_length"], temperature=1.0, beta=spec["beta"],
         loss_type=spec["loss_type"], learning_rate=spec["learning_rate"], num_iterations=1,
         max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_steps=10**9, report_to="none",
-        output_dir=spec["output_dir"], seed=spec["seed"], log_completions=0, dtype="float32",
+        output_dir=spec["output_dir"], seed=spec["seed"], log_completions=False, dtype="float32",
         gradient_checkpointing=spec["gradient_checkpointing"], cpu_threads=spec["threads"])
     train_grpo.main(cfg)
     with open(os.path.join(spec["output_dir"], "metrics.jsonl")) as f:

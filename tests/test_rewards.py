@@ -186,7 +186,7 @@ def test_spr_missing_model_is_a_clear_error(tmp_path):
         get_reward("spr", model="no-such-org/no-such-model")
 
 
-# --- think_format, math_accuracy, length_penalty -----------------------------------------------------------
+# --- think_format, math_accuracy, overlong_penalty ---------------------------------------------------------
 
 @pytest.mark.parametrize("text,expected", [
     ("<think>I count 3.</think><answer>3</answer>", 1.0),
@@ -225,29 +225,32 @@ def test_math_accuracy_needs_answer_block_and_reads_last_one():
         fn(texts)
 
 
-def test_length_penalty_dapo_shape():
+def test_overlong_penalty_dapo_shape_equals_trl():
+    from trl.rewards import get_soft_overlong_punishment  # requirements-dev.txt (CI installs it)
+
     assert [soft_overlong_penalty(n, 100, 20) for n in (0, 80, 90, 99, 100, 150)] == pytest.approx(
         [0, 0, -0.5, -0.95, -1, -1])
-    fn = get_reward("length_penalty", max_length=100, cache_length=20)
-    ids = [[1] * 80, [1] * 90, [1] * 120]
-    assert fn(["a", "b", "c"], completion_ids=ids) == pytest.approx([0.0, -0.5, -1.0])
-    chars = get_reward("length_penalty", max_length=10, cache_length=4, unit="chars")
+    fn = get_reward("overlong_penalty", max_completion_length=100, buffer_length=20)
+    ids = [[1] * n for n in (0, 79, 80, 81, 90, 99, 100, 101, 120)]
+    trl = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)
+    assert fn(["x"] * len(ids), completion_ids=ids) == pytest.approx(trl(completion_ids=ids))
+    chars = get_reward("overlong_penalty", max_completion_length=10, buffer_length=4, unit="chars")
     assert chars(["123456", "12345678", [{"role": "assistant", "content": "x" * 30}]]) == pytest.approx(
         [0.0, -0.5, -1.0])
     with pytest.raises(ValueError, match="completion_ids"):
         fn(["abc"])
-    with pytest.raises(ValueError, match="max_length"):
-        get_reward("length_penalty")
-    with pytest.raises(ValueError, match="cache_length"):
-        get_reward("length_penalty", max_length=10, cache_length=20)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        get_reward("overlong_penalty")
+    with pytest.raises(ValueError, match="buffer_length"):
+        get_reward("overlong_penalty", max_completion_length=10, buffer_length=20)
 
 
-def test_length_penalty_counts_tokens_with_a_tokenizer():
+def test_overlong_penalty_counts_tokens_with_a_tokenizer():
     class WordTokenizer:
         def __call__(self, text, add_special_tokens=False):
             return {"input_ids": text.split()}
 
-    fn = get_reward("length_penalty", max_length=4, cache_length=2, tokenizer=WordTokenizer())
+    fn = get_reward("overlong_penalty", max_completion_length=4, buffer_length=2, tokenizer=WordTokenizer())
     assert fn(["a b", "a b c", "a b c d e"]) == pytest.approx([0.0, -0.5, -1.0])
 
 
@@ -305,7 +308,7 @@ def test_shapes_t2i_behaviours_and_logging_keys():
 
 def test_registry_lists_the_contract_names():
     assert set(list_rewards()) >= {"format", "accuracy", "cpr", "spr", "reasoning", "think_format",
-                                   "math_accuracy", "length_penalty", "geneval", "judge_geneval_plus",
+                                   "math_accuracy", "overlong_penalty", "geneval", "judge_geneval_plus",
                                    "judge_tiif", "shapes_t2i"}
     assert get_reward("cpr").__name__ == "cpr"  # TRL logs rewards by __name__
 
@@ -383,7 +386,7 @@ def test_rewards_pickle_and_take_trl_keywords(corpus, spr):
                       log_extra=lambda *a: None, log_metric=lambda *a: None)
     for fn in [get_reward("format"), get_reward("accuracy"), get_reward("cpr", answer_weight=0.7, step_weight=0.3),
                get_reward("reasoning"), get_reward("think_format"), get_reward("math_accuracy"),
-               get_reward("length_penalty", max_length=8, cache_length=4), spr,
+               get_reward("overlong_penalty", max_completion_length=8, buffer_length=4), spr,
                get_reward("geneval", reward_server_urls="http://127.0.0.1", reward_server_port="1", rank=0),
                get_reward("judge_tiif", base_url="http://127.0.0.1:1/v1", model="m")]:
         clone = pickle.loads(pickle.dumps(fn))
@@ -394,7 +397,6 @@ def test_rewards_pickle_and_take_trl_keywords(corpus, spr):
 
 
 def test_trl_rewards_load_through_the_registry():
-    pytest.importorskip("trl", reason="TRL is a dev-only install (requirements-dev.txt)")
     fn = get_reward("trl.rewards:think_format_reward")
     chat = [[{"role": "assistant", "content": "<think>a</think>b"}], [{"role": "assistant", "content": "b"}]]
     assert fn(chat) == [1.0, 0.0]

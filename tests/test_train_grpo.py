@@ -48,7 +48,7 @@ def run(cfg):
 
 @pytest.mark.slow
 def test_run_writes_metrics_completions_summary_curve_and_checkpoints(assets, tmp_path):
-    run(config(assets, tmp_path, save_steps=1, save_total_limit=1,
+    run(config(assets, tmp_path, save_steps=1, save_total_limit=1, log_completions=True,
                reward_funcs=["format", "accuracy"], reward_weights=[0.5, 2.0]))
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
@@ -57,7 +57,9 @@ def test_run_writes_metrics_completions_summary_curve_and_checkpoints(assets, tm
         assert key in metrics[0], key
     assert 1 <= metrics[0]["completion_length"] <= 8
     completions = read_jsonl(tmp_path / "completions.jsonl")
-    assert completions and {"step", "prompt", "completion", "reward"} <= set(completions[0])
+    # every completion of every logged step, with TRL's table columns
+    assert len(completions) == 2 * 8 and {"step", "prompt", "completion", "reward", "advantage", "rewards"} <= set(
+        completions[0])
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["global_step"] == 2 and summary["train_runtime"] > 0 and summary["peak_memory_mb"] > 0
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
@@ -170,7 +172,7 @@ def test_two_processes_match_one_process(assets, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path):
-    args = dict(per_device_train_batch_size=8, max_steps=6, save_steps=2, max_completion_length=16, log_completions=8)
+    args = dict(per_device_train_batch_size=8, max_steps=6, save_steps=2, max_completion_length=16, log_completions=True)
     finish(launch(cli(assets, tmp_path / "full", **args), 1))
     victim = launch(cli(assets, tmp_path / "killed", **args), 1)
     deadline = time.time() + 300

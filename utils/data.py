@@ -34,6 +34,8 @@ import PIL.Image
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from utils.config import InputError
+
 STANDARD_VQA_COLUMNS = ("id", "image", "question", "answer", "reference_steps", "choices", "difficulty", "source")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 SPLIT_WORDS = ("train", "test", "validation", "val", "dev", "eval")
@@ -43,7 +45,7 @@ SHAREGPT_ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system",
 IMAGE_MARKER = "<image>"
 
 
-class DataValidationError(ValueError):
+class DataValidationError(InputError):
     """Bad input data; the message names the file, the row and the column at fault."""
 
 

@@ -13,6 +13,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from utils.config import InputError
+
 # Chat templates end an assistant turn with one of these; generation must stop there too.
 END_OF_TURN_TOKENS = ("<|im_end|>",)
 
@@ -111,7 +113,7 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
     kwargs = dict(text=texts, return_tensors="pt", padding=True)
     if has_images:
         if tokenizer is processor:
-            raise ValueError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
+            raise InputError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
         kwargs["images"] = [list(imgs) for imgs in images]
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -125,7 +127,7 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
         lengths = batch["attention_mask"].sum(-1)
         for sid, length in zip(sample_ids, lengths.tolist()):
             if length > max_prompt_length:
-                raise ValueError(
+                raise InputError(
                     f"sample {sid!r}: prompt is {length} tokens (images included), over "
                     f"--max_prompt_length {max_prompt_length}; raise the flag or lower --max_pixels"
                 )
@@ -139,7 +141,7 @@ def raise_for_sample(processor, sample_ids, texts, images, err):
         try:
             processor(text=[text], **({"images": [list(imgs)]} if imgs else {}))
         except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
-            raise ValueError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
+            raise InputError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
     raise err
 
 
