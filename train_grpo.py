@@ -243,8 +243,8 @@ def main(cfg: GRPOConfig):
     # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
-                              project_dir=cfg.output_dir)
+                              mixed_precision="bf16" if cfg.bf16 else "no",
+                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
     validate(cfg, accelerator.num_processes, accelerator.distributed_type.name)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)

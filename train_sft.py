@@ -167,8 +167,8 @@ def main(cfg: SFTConfig):
     # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
-                              project_dir=cfg.output_dir)
+                              mixed_precision="bf16" if cfg.bf16 else "no",
+                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
     validate(cfg)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
