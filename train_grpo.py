@@ -25,10 +25,12 @@ from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import ConfigError, choice, config_to_dict, exit_on_bad_input, parse_config, save_config
+from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
+from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
+from utils.groups import choose_groups, has_spread, split_groups, weighted_rewards
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts, prepare_reference_model
@@ -43,6 +45,7 @@ from utils.rollout import (
     generate_completions,
     special_token_ids_to_suppress,
     stop_token_ids,
+    truncated_completions,
     unwrap_for_generation,
 )
 from utils.samplers import CurriculumSampler
@@ -424,7 +427,7 @@ def main(cfg: GRPOConfig):
                 advantages = group_advantages(mb["rewards"], G, weights=reward_weights, scale=cfg.scale_rewards)
             mb["all_advantages"] = advantages
             mb["advantages"] = advantages[local].to(accelerator.device)
-            mb["truncated"] = truncated(mb["completion_ids"], mb["completion_mask"], stop_ids)
+            mb["truncated"] = truncated_completions(mb["completion_ids"], mb["completion_mask"], stop_ids)
             mb["loss_mask"] = (mb["completion_mask"] * ~mb["truncated"][:, None] if cfg.mask_truncated_completions
                                else mb["completion_mask"])
         timings["rewards"] += time.perf_counter() - t0
@@ -526,51 +529,6 @@ def main(cfg: GRPOConfig):
             uploader.wait()
     accelerator.end_training()
     return policy
-
-
-def weighted_rewards(rewards, reward_weights):
-    """Weighted reward per completion [N]; NaN for an unscorable completion (every reward None)."""
-    total = (rewards.nan_to_num(0.0) * reward_weights).sum(-1)
-    return total.masked_fill(rewards.isnan().all(-1), float("nan"))
-
-
-def has_spread(rewards, reward_weights, G, per_objective=False):
-    """[groups] True where a group's scorable weighted rewards differ (per reward function too under PCGrad)."""
-    columns = [weighted_rewards(rewards, reward_weights)]
-    if per_objective:
-        columns += [rewards[:, j] * w for j, w in enumerate(reward_weights.tolist()) if w]
-    spread = torch.zeros(rewards.shape[0] // G, dtype=torch.bool)
-    for col in columns:
-        grouped = col.view(-1, G)
-        present = ~grouped.isnan()
-        high = grouped.nan_to_num(-math.inf).max(-1).values
-        low = grouped.nan_to_num(math.inf).min(-1).values
-        spread |= (present.sum(-1) >= 2) & (high - low > 1e-6 * high.abs().clamp(min=1.0))
-    return spread
-
-
-def split_groups(generated, G, reward_weights, per_objective):
-    """Every group of the generated micro-batches, in order: prompt, token ids, rewards and whether it varies."""
-    groups = []
-    for mb in generated:
-        spread = has_spread(mb["rewards"], reward_weights, G, per_objective)
-        for g, prompt in enumerate(mb["prompt_rows"]):
-            groups.append(dict(prompt=prompt, token_ids=mb["all_token_ids"][g * G:(g + 1) * G],
-                               rewards=mb["rewards"][g * G:(g + 1) * G], spread=bool(spread[g])))
-    return groups
-
-
-def choose_groups(groups, needed):
-    """The first `needed` groups with spread; when the resample rounds ran out, groups without spread fill the rest
-    (their advantages are 0, as in plain GRPO)."""
-    kept = [g for g in groups if g["spread"]][:needed]
-    return kept + [g for g in groups if not g["spread"]][:needed - len(kept)]
-
-
-def truncated(completion_ids, completion_mask, stop_ids):
-    """[B] True for completions that end without a stop token (cut at --max_completion_length)."""
-    last = completion_ids.gather(1, (completion_mask.sum(-1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
-    return ~torch.isin(last, torch.tensor(stop_ids, device=completion_ids.device))
 
 
 def step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator):

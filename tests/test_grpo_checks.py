@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import train_grpo
-from train_grpo import GRPOConfig, build_rewards, choose_groups, has_spread, truncated, validate
+from train_grpo import GRPOConfig, build_rewards, validate
 from utils.config import ConfigError
+from utils.groups import choose_groups, has_spread
+from utils.rollout import truncated_completions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +125,7 @@ def test_spread_is_judged_on_the_scorable_weighted_rewards():
 def test_truncated_means_no_stop_token_at_the_end():
     ids = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [2, 0, 0, 0], [5, 9, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
-    assert truncated(ids, mask, [2, 9]).tolist() == [False, True, False, False]
+    assert truncated_completions(ids, mask, [2, 9]).tolist() == [False, True, False, False]
 
 
 def cli(*args):

@@ -134,6 +134,63 @@ def test_cpr_formula_and_weights_are_applied():
     assert get_reward("cpr")([half], answer=["3"], reference_steps=[steps])[0] == pytest.approx(0.6 + 0.4 * f1)
 
 
+def test_cpr_combination_is_crystal_metrics_own(corpus):
+    """cpr_score with crystal-metrics' word-overlap F1 and answer check reproduces its causal_process_reward, so the
+    embedding matcher changes only the step term."""
+    from rewards.crystal import cpr_score
+
+    c, answer, steps = corpus["completions"], corpus["answer"], corpus["reference_steps"]
+    ours = []
+    for text, gt, ref in zip(c, answer, steps):
+        pred_steps, pred = cm.parse_reasoning_steps(text)
+        ref = [s.strip() for s in ref if s and s.strip()]
+        f1 = cm._step_alignment_f1(pred_steps, ref, threshold=0.3) if pred_steps and ref else 0.0
+        ours.append(cpr_score(cm.check_answer_match(pred, gt), f1, 0.6, 0.4))
+    assert ours == pytest.approx(cm.causal_process_reward(c, ground_truths=answer, reference_steps=steps), abs=1e-12)
+
+
+def test_cpr_embedding_matcher_pays_on_evaluates_match_f1(corpus):
+    """step_matcher='embedding' pays CPR on the Match F1 that evaluate.py --metrics crystal reports."""
+    import torch
+
+    from rewards.crystal import cpr_score
+    from utils.scoring import crystal_scores, resolve_embedding_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        picked = [i for i, ref in enumerate(corpus["reference_steps"]) if ref][:24]
+        rows = [dict(id=str(i), question=corpus["question"][i], answer=corpus["answer"][i],
+                     reference_steps=corpus["reference_steps"][i]) for i in picked]
+        texts = [corpus["completions"][i] for i in picked]
+        fn = get_reward("cpr", step_matcher="embedding")
+        got = fn(_as_chat(texts), answer=[r["answer"] for r in rows],
+                 reference_steps=[r["reference_steps"] for r in rows])
+        # evaluate.py's matcher on the same steps (every completion kept, so the F1 is per completion)
+        predictions, references = {}, {}
+        for r, text in zip(rows, texts):
+            pred_steps, pred = cm.parse_reasoning_steps(text)
+            predictions[r["id"]] = {"question": r["question"], "answer": pred or "-",
+                                    "reasoning_steps": [str(x).strip() for x in pred_steps if str(x).strip()]}
+            references[r["id"]] = {"reference_steps": r["reference_steps"], "answer": r["answer"]}
+        model, threshold = resolve_embedding_model("all-MiniLM-L6-v2")
+        _, per_sample = crystal_scores(predictions, references, embedding_model=model, threshold=threshold, alpha=0.0)
+        want = [cpr_score(cm.check_answer_match(cm.parse_reasoning_steps(t)[1], r["answer"]),
+                          per_sample[r["id"]]["match_f1"], 0.6, 0.4) for r, t in zip(rows, texts)]
+        assert got == pytest.approx(want, abs=1e-6)
+        # a paraphrase: word overlap finds no match, the embedding matcher does
+        ref = [["There are two red circles in the picture"]]
+        para = json.dumps({"reasoning_steps": ["A pair of crimson rings appears in the image"], "answer": "2"})
+        assert get_reward("cpr")([para], answer=["2"], reference_steps=ref) == [0.6]
+        assert fn([para], answer=["2"], reference_steps=ref) == [pytest.approx(1.0)]
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="step_matcher must be one of"):
+        get_reward("cpr", step_matcher="cosine")
+    with pytest.raises(ValueError, match="need step_matcher='embedding'"):
+        get_reward("cpr", embedding_model="all-distilroberta-v1")
+
+
 def test_crystal_rewards_name_missing_columns():
     with pytest.raises(ValueError, match="needs the dataset column 'answer'.*reference_steps"):
         get_reward("cpr")(["x"], reference_steps=[["a"]])

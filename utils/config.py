@@ -14,7 +14,6 @@ Value syntax (command line):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import json
@@ -41,22 +40,6 @@ class ConfigError(SystemExit, ValueError):
 
     def __str__(self) -> str:
         return self.message
-
-
-class InputError(ValueError):
-    """Bad input found after the flags parse: a data row, a prompt, a model path. Its message names the culprit
-    (file, row, column, sample or flag); under `exit_on_bad_input` a script ends with that one line."""
-
-
-@contextlib.contextmanager
-def exit_on_bad_input(prog: str):
-    """For a script's `__main__`: an InputError ends the run with `prog: error: <message>` instead of a
-    traceback (exit status 1); any other exception keeps its traceback."""
-    try:
-        yield
-    except InputError as exc:
-        sys.stderr.flush()
-        raise ConfigError(f"{prog}: error: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from utils.config import InputError
+from utils.errors import InputError
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from utils.config import InputError
+from utils.errors import InputError
 
 # Chat templates end an assistant turn with one of these; generation must stop there too.
 END_OF_TURN_TOKENS = ("<|im_end|>",)
@@ -228,3 +228,9 @@ def completion_mask(completion_ids, eos_token_id):
         is_eos |= completion_ids == e
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     return (~after_eos).long()
+
+
+def truncated_completions(completion_ids, completion_mask, stop_ids):
+    """[B] True for completions that end without a stop token (cut at --max_completion_length)."""
+    last = completion_ids.gather(1, (completion_mask.sum(-1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+    return ~torch.isin(last, torch.tensor(stop_ids, device=completion_ids.device))
