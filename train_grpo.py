@@ -33,7 +33,7 @@ from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, has_spread, split_groups, weighted_rewards
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
-from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts, prepare_reference_model
+from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.pcgrad import PCGradAccumulator
@@ -610,8 +610,8 @@ def encode_rows(policy, processor, rows, cfg, accelerator, *, keys, sample_ids):
 
 def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seeds, stop_ids, suppress_ids,
             vllm=None, step=0):
-    """Sample one completion per row (rows with equal `keys` are the same prompt); see `encode_rows`.
-    Generation runs one row per completion."""
+    """Sample one completion per row (rows with equal `keys` are the same prompt); see `encode_rows`. Where the
+    prompts are shared, each is prefilled once in generation too, and its completions continue from its cache."""
     tokenizer = getattr(processor, "tokenizer", processor)
     messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator, keys=keys,
                                                        sample_ids=sample_ids)
@@ -619,12 +619,11 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
         completion_ids, completion_mask = vllm.generate(policy, processor, messages, [images_of(r) for r in rows],
                                                         seeds, step=step, stop_ids=stop_ids)
     else:
-        batch = expand_prompts(prompt_batch, prompt_index) if prompt_index is not None else prompt_batch
-        with unwrap_for_generation(policy, accelerator) as unwrapped:
+        with unwrap_for_generation(policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
             completion_ids, completion_mask = generate_completions(
-                unwrapped.model, batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
+                unwrapped.model, prompt_batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=stop_ids,
-                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
+                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids, prompt_index=prompt_index)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     return dict(prompt_batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids,

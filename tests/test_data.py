@@ -197,13 +197,15 @@ def test_errors_in_a_folder_of_files_name_the_file_and_its_own_row(tmp_path):
 def test_crystal_schema_reads_choices_else_options_row_by_row(tmp_path):
     """The CRYSTAL data set (waybarrios/CRYSTAL) has image, question, answer, reference_steps, choices, options and
     source; its scripts take a row's choices when it has any, else its options."""
-    from datasets import Dataset, Features, Image as ImageFeature, List, Value
+    from datasets import Dataset, Features, List, Value
+    from datasets import Image as ImageFeature
 
     images = [Image.new("RGB", (28, 28), c) for c in ("red", "blue", "green")]
     table = Dataset.from_dict({
         "image": images, "question": ["Which?", "Which one?", "How many?"], "answer": ["A", "B", "3"],
         "reference_steps": [["look"], ["compare"], ["count"]],
-        "choices": [["cat", "dog"], [], []], "options": [[], ["left", "right"], []], "source": ["mmvp", "sqa", "plotqa"],
+        "choices": [["cat", "dog"], [], []], "options": [[], ["left", "right"], []],
+        "source": ["mmvp", "sqa", "plotqa"],
     }, features=Features({"image": ImageFeature(), "question": Value("string"), "answer": Value("string"),
                           "reference_steps": List(Value("string")), "choices": List(Value("string")),
                           "options": List(Value("string")), "source": Value("string")}))

@@ -62,7 +62,10 @@ def test_openvlthinker_grpo_recipes():
         assert (cfg.epsilon, cfg.epsilon_high, cfg.temperature, cfg.top_p) == (0.2, 0.3, 1.0, 0.99)
 
 
-@pytest.mark.parametrize("path", sorted(p for p in glob.glob(os.path.join(REPO, "recipes", "*.yaml")) if "sft" not in p))
+GRPO_RECIPES = sorted(p for p in glob.glob(os.path.join(REPO, "recipes", "*.yaml")) if "sft" not in p)
+
+
+@pytest.mark.parametrize("path", GRPO_RECIPES)
 def test_grpo_recipes_set_what_they_rely_on(path):
     """Defaults a TRL user knows (loss_type, max_completion_length) changed to TRL's; a recipe never leans on them."""
     with open(path) as f:

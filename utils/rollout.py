@@ -178,13 +178,20 @@ def unwrap_for_generation(model, accelerator):
 
 @torch.no_grad()
 def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature, top_k=None, top_p=None,
-                         eos_token_id, pad_token_id, suppress_token_ids=()):
+                         eos_token_id, pad_token_id, suppress_token_ids=(), prompt_index=None):
     """Sample one completion per row; returns (completion_ids [B, L], completion_mask [B, L]).
 
     The mask covers tokens up to and including the first EOS; rows are padded with pad_token_id.
     `suppress_token_ids` (image placeholders, role markers) are never sampled: an image token inside
     a completion would not match any image features when the completion is scored.
+
+    With `prompt_index` ([B], the row of `batch` each completion continues), `batch` holds each distinct prompt
+    once: its prefill (vision tower included) runs once and the KV cache is shared by its completions, as in the
+    training pass (`utils.logprobs`). Only for models `can_share_prompts` accepts.
     """
+    cache = None
+    if prompt_index is not None:
+        batch, cache = _shared_prefill(model, batch, prompt_index)
     prompt_length = batch["input_ids"].shape[1]
     sampler = GumbelSampler(row_seeds, prompt_length, temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=max_new_tokens)
@@ -193,9 +200,29 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
         pad_token_id=pad_token_id, temperature=None, top_k=None, top_p=None,
         suppress_tokens=list(suppress_token_ids) or None,
     )
-    out = model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+    out = model.generate(**batch, **({"cache": cache} if cache is not None else {}), generation_config=config,
+                         logits_processor=LogitsProcessorList([sampler]))
     completion = out[:, prompt_length:]
     return completion, completion_mask(completion, eos_token_id)
+
+
+def _shared_prefill(model, prompts, prompt_index):
+    """Each distinct prompt's prefill once, all but its last token (left padding: the last column is every row's
+    last token); the KV cache is then index-selected to the completions, which `generate` continues from their
+    full prompt ids (it runs only the uncached last token). Qwen-VL's rope offsets follow the selection."""
+    from transformers import DynamicCache
+
+    ids = prompts["input_ids"]
+    idx = torch.as_tensor(prompt_index, device=ids.device)
+    per_token = {k for k, v in prompts.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == ids.shape}
+    inputs = {k: (v[:, :-1] if k in per_token else v) for k, v in prompts.items()}
+    cache = DynamicCache(config=model.config)
+    model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(idx)
+    core = getattr(model, "model", None)
+    if getattr(core, "rope_deltas", None) is not None:
+        core.rope_deltas = core.rope_deltas[idx]
+    return {"input_ids": ids[idx], "attention_mask": prompts["attention_mask"][idx]}, cache
 
 
 def stop_token_ids(model, tokenizer):
