@@ -87,12 +87,50 @@ def _strict_format(completions, **columns) -> list[float]:
     return out
 
 
+class _GraderDown(BaseException):
+    """Passes through crystal-metrics' `except Exception`, which would grade by string matching instead."""
+
+
+def _reporting_grader(base):
+    """crystal-metrics' LLM judge, except that a failed request raises instead of silently falling back."""
+
+    class ReportingLLMGrader(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            completions = self.client.chat.completions
+            create = completions.create
+
+            def strict_create(**request):
+                try:
+                    return create(**request)
+                except Exception as e:  # noqa: BLE001 - re-raised past the package's fallback
+                    raise _GraderDown(f"{type(e).__name__}: {e}") from e
+
+            completions.create = strict_create
+
+    return ReportingLLMGrader
+
+
 def _accuracy(completions, *, use_llm_grader, llm_model, base_url, **columns) -> list[float | None]:
     n = len(completions)
     truths = _ground_truths(columns, n, "accuracy")
-    scores = cm.accuracy_reward(completion_texts(completions), solution=[t or "" for t in truths],
-                                problem=_problems(columns, n, "accuracy"), use_llm_grader=use_llm_grader,
-                                llm_model=llm_model, base_url=base_url)
+    kwargs = dict(solution=[t or "" for t in truths], problem=_problems(columns, n, "accuracy"),
+                  use_llm_grader=use_llm_grader, llm_model=llm_model, base_url=base_url)
+    if not use_llm_grader:
+        return _mask_missing(cm.accuracy_reward(completion_texts(completions), **kwargs), truths)
+    from crystal_metrics import judge
+
+    from rewards.geneval import RewardServerError
+
+    original = judge.LLMGrader  # read by AccuracyCalculator when it builds its grader
+    judge.LLMGrader = _reporting_grader(original)
+    try:
+        scores = cm.accuracy_reward(completion_texts(completions), **kwargs)
+    except _GraderDown as e:
+        raise RewardServerError(f"reward 'accuracy': the LLM grader {llm_model!r} at {base_url} failed ({e}); "
+                                "a grader that is down is reported, not replaced by string matching") from None
+    finally:
+        judge.LLMGrader = original
     return _mask_missing(scores, truths)
 
 
@@ -129,6 +167,8 @@ def accuracy_reward(use_llm_grader: bool = False, llm_model: str = "llama3.2",
     """Answer correctness of the JSON ``answer`` vs the ``answer`` column (crystal's confidence when correct).
 
     Only the JSON format carries an answer for crystal-metrics; for ``<answer>`` tags use ``math_accuracy``.
+    With ``use_llm_grader`` (crystal-metrics' judge for free-text answers over an OpenAI-compatible server), a
+    failed request raises ``RewardServerError``: crystal-metrics itself would fall back to string matching.
     """
     return RewardFunction("accuracy", _accuracy, use_llm_grader=use_llm_grader, llm_model=llm_model,
                           base_url=base_url)
