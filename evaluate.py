@@ -32,6 +32,7 @@ import torch
 from tiny.cache import TINY_DATASET, shapes_dataset_path
 from utils.config import choice, config_to_dict, parse_config
 from utils.data import load_vqa, render_question
+from utils.errors import exit_on_bad_input
 from utils.evaluation import generate_answers, generate_answers_remote
 from utils.keywords import compare_keywords, keyword_frequencies, load_texts
 from utils.launch import set_cpu_threads
@@ -300,4 +301,5 @@ def main(cfg: EvalConfig):
 
 
 if __name__ == "__main__":
-    main(parse_config(EvalConfig, sys.argv[1:]))
+    with exit_on_bad_input("evaluate.py"):  # bad input (data, model paths) ends in one line
+        main(parse_config(EvalConfig, sys.argv[1:]))

@@ -4,9 +4,9 @@
     accelerate launch train_grpo.py --config recipes/crystal_cpr.yaml
     accelerate launch --config_file accelerate_configs/zero3.yaml train_grpo.py --config ...
 
-For each prompt q, sample G completions, score them with the reward functions, normalise the
-weighted reward within each group into advantages, and minimise the clipped surrogate (plus an
-optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
+For each prompt q, sample G completions, score them with the reward functions (called as TRL calls them),
+normalise the weighted reward within each group into advantages, and minimise the clipped surrogate (plus
+an optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
 """
 
 import math
@@ -19,34 +19,40 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
-from transformers import get_scheduler
+from transformers import TrainerState, get_scheduler
 
 from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import choice, config_to_dict, parse_config, save_config
-from utils.curriculum import combine_with_rating, levels_from_scores, stage_indices
+from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
+from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
+from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
+from utils.groups import choose_groups, has_spread, split_groups, weighted_rewards
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
-from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts, prepare_reference_model
+from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
-from utils.models import load_model_and_processor, prepare_for_training
-from utils.pcgrad import pcgrad_backward
+from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
+from utils.pcgrad import PCGradAccumulator
 from utils.prompts import PROMPT_TEMPLATES, build_messages
+from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.rollout import (
     completion_seeds,
     encode_prompts,
     generate_completions,
     special_token_ids_to_suppress,
     stop_token_ids,
+    truncated_completions,
     unwrap_for_generation,
 )
 from utils.samplers import CurriculumSampler
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.vllm_rollout import VLLMRollout, require_vllm
+
+SCALES = ("group", "batch", "none")
 
 
 @dataclass
@@ -62,8 +68,11 @@ class GRPOConfig:
     use_peft: bool = False  # train LoRA adapters instead of all weights
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA alpha (updates scaled by alpha / r)
-    lora_dropout: float = 0.05  # dropout on the LoRA branch input
+    lora_dropout: float = 0.05  # dropout on the LoRA branch input (0 while --disable_dropout)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # modules LoRA wraps (or all-linear)
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "every dropout rate 0 (LoRA's too), so log-probs agree between rollout and training; TRL's flag "
+                "(its default is false: docs/grpo.md says why ours is true)"})
     max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
     min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
     max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
@@ -75,7 +84,7 @@ class GRPOConfig:
     question_column: str = "question"  # column with the question text
     answer_column: str = "answer"  # column with the ground-truth answer
     steps_column: str = "reference_steps"  # column with the reference reasoning steps (needed by cpr, reasoning, spr)
-    choices_column: Optional[str] = None  # column with answer options; none: 'choices' or 'options' when present
+    choices_column: Optional[str] = None  # column with answer options; none: 'choices', else 'options', row by row
     prompt_template: str = choice(*PROMPT_TEMPLATES)  # system prompt that asks for the answer format; plain: none
     system_prompt: Optional[str] = None  # replaces the template's system prompt
     # rewards
@@ -87,17 +96,22 @@ class GRPOConfig:
     per_device_train_batch_size: int = 8  # completions per process per micro-batch; times processes: a multiple of G
     gradient_accumulation_steps: int = 1  # micro-batches (each freshly generated) per optimizer step
     max_prompt_length: Optional[int] = 512  # max prompt tokens, images included (longer: an error); none: no limit
-    max_completion_length: int = 256  # max tokens generated per completion (also dr_grpo's normaliser)
+    max_completion_length: int = 512  # max tokens generated per completion (also dr_grpo's normaliser); TRL's default
     temperature: float = 1.0  # sampling temperature; training log-probs use it too
     top_p: float = 1.0  # nucleus sampling of rollouts; 1.0: off
     top_k: Optional[int] = None  # top-k sampling of rollouts; none: off
     beta: float = 0.0  # weight of the k3 KL to the reference; 0 loads no reference model
     epsilon: float = 0.2  # lower clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: Optional[float] = None  # upper clip range (DAPO clip-higher); none: same as --epsilon
-    loss_type: str = choice(*LOSS_TYPES)  # normaliser: seq length, batch tokens, B*max_completion_length, step tokens
+    loss_type: str = field(default="dapo", metadata={"choices": list(LOSS_TYPES), "help": (
+        "normaliser: seq length, batch tokens, B*max_completion_length, step tokens (TRL's default dapo)")})
     importance_sampling_level: str = choice(*IMPORTANCE_LEVELS)  # importance ratio per token, or per sequence (GSPO)
-    scale_rewards: str = choice("group", "batch", "none")  # advantages / std of the group, of the batch, or not scaled
+    scale_rewards: str = choice(*SCALES)  # advantages / std of the group, of the batch, or not scaled
     num_iterations: int = 1  # optimisation passes (mu) over each round of generations
+    mask_truncated_completions: bool = False  # completions cut at --max_completion_length stay out of the loss (DAPO)
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO: drop groups whose rewards do not vary and refill the step with groups of new prompts"})
+    max_resample_rounds: int = 4  # extra generation rounds a step may run to refill it under --dynamic_sampling
     use_vllm: bool = False  # generate rollouts with a colocated vLLM engine (CUDA only)
     use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
     allow_double_accuracy: bool = field(default=False,
@@ -133,7 +147,8 @@ class GRPOConfig:
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none (comma-separated)
     push_to_hub: bool = False  # upload every checkpoint to --hub_model_id (in the background)
     hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
-    log_completions: int = 4  # completions per logged step written to completions.jsonl
+    log_completions: bool = False  # write every completion of each logged step to completions.jsonl (TRL's flag)
+    num_completions_to_print: Optional[int] = None  # with --log_completions, print this many per logged step; none: all
     # held-out evaluation (greedy accuracy), before and after training
     eval_dataset_name: Optional[str] = field(default=None,
                                              metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
@@ -144,47 +159,103 @@ class GRPOConfig:
     eval_before: bool = field(default=True, metadata={"help": "also evaluate the starting model"})
 
 
-def validate(cfg, num_processes):
-    """Every flag combination that cannot work fails here, before a model is loaded."""
-    global_batch = cfg.per_device_train_batch_size * num_processes
-    if global_batch % cfg.num_generations:
-        raise ValueError(
-            f"--per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} processes = "
-            f"{global_batch} completions is not a multiple of --num_generations {cfg.num_generations}")
-    if cfg.num_generations < 2 and cfg.scale_rewards == "group":
-        raise ValueError("--num_generations 1 gives every group a zero advantage; use 2 or more")
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
-        raise ValueError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} "
-                         "--reward_funcs")
-    if cfg.temperature <= 0:
-        raise ValueError("--temperature must be > 0 for GRPO sampling")
-    if "cpr" in cfg.reward_funcs and "accuracy" in cfg.reward_funcs and not cfg.allow_double_accuracy:
-        raise ValueError("--reward_funcs has both accuracy and cpr, and cpr already rewards the answer, so a correct "
-                         "answer would count twice; drop accuracy, or pass --allow_double_accuracy to mean it")
-    if cfg.curriculum and cfg.difficulty_samples < 0:
-        raise ValueError("--difficulty_samples must be >= 0")
+def validate(cfg, num_processes, distributed_type="NO"):
+    """Every flag combination that cannot work fails here, before a model is loaded (one line naming the flag)."""
+    B, G = cfg.per_device_train_batch_size, cfg.num_generations
+
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+
+    for flag, value, options in (("--loss_type", cfg.loss_type, LOSS_TYPES),
+                                 ("--scale_rewards", cfg.scale_rewards, SCALES),
+                                 ("--importance_sampling_level", cfg.importance_sampling_level, IMPORTANCE_LEVELS)):
+        need(value in options, f"{flag} {value!r} is not one of {', '.join(options)}")
+    need(B >= 1, f"--per_device_train_batch_size {B} must be >= 1")
+    need(G >= 2, f"--num_generations {G}: a group of one completion has no spread, so every advantage would be 0 "
+                 "under every --scale_rewards; use 2 or more")
+    need(B * num_processes % G == 0,
+         f"--per_device_train_batch_size {B} x {num_processes} processes = {B * num_processes} completions is not a "
+         f"multiple of --num_generations {G}")
+    need(cfg.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be >= 1")
+    need(cfg.num_iterations >= 1, "--num_iterations must be >= 1")
+    need(cfg.max_completion_length >= 1, "--max_completion_length must be >= 1")
+    need(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1, "--max_prompt_length must be >= 1 or none")
+    need(cfg.temperature > 0, "--temperature must be > 0 for GRPO sampling")
+    need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p} must be in (0, 1]")
+    need(cfg.top_k is None or cfg.top_k >= 0, f"--top_k {cfg.top_k} must be >= 0 (0 or none: off)")
+    need(cfg.epsilon >= 0 and (cfg.epsilon_high is None or cfg.epsilon_high >= 0),
+         "--epsilon and --epsilon_high must be >= 0")
+    need(cfg.beta >= 0, f"--beta {cfg.beta} must be >= 0")
+    need(cfg.max_grad_norm >= 0, "--max_grad_norm must be >= 0 (0: no clipping)")
+    need(0 <= cfg.warmup_ratio < 1, f"--warmup_ratio {cfg.warmup_ratio} must be in [0, 1)")
+    need(cfg.max_steps > 0 or cfg.num_train_epochs > 0, "--max_steps <= 0 needs --num_train_epochs > 0")
+    need(not cfg.use_peft or (cfg.lora_r >= 1 and 0 <= cfg.lora_dropout < 1),
+         "--use_peft needs --lora_r >= 1 and --lora_dropout in [0, 1)")
+    need(len(cfg.reward_funcs) > 0, "--reward_funcs is empty: give at least one reward")
+    need(len(set(cfg.reward_funcs)) == len(cfg.reward_funcs),
+         f"--reward_funcs {cfg.reward_funcs} names a reward twice (its metrics would collide)")
+    need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_funcs),
+         f"--reward_weights has {len(cfg.reward_weights or [])} values for {len(cfg.reward_funcs)} --reward_funcs")
+    unknown = sorted(set(cfg.reward_kwargs) - set(cfg.reward_funcs))
+    need(not unknown, f"--reward_kwargs names {unknown}, which are not in --reward_funcs {cfg.reward_funcs}")
+    need(not ("cpr" in cfg.reward_funcs and "accuracy" in cfg.reward_funcs) or cfg.allow_double_accuracy,
+         "--reward_funcs has both accuracy and cpr, and cpr already rewards the answer, so a correct answer would "
+         "count twice; drop accuracy, or pass --allow_double_accuracy to mean it")
+    need(not cfg.use_pcgrad or distributed_type != "DEEPSPEED",
+         "--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP (or one process)")
+    need(cfg.max_resample_rounds >= 0, "--max_resample_rounds must be >= 0")
+    bad_stages = [s for s in cfg.curriculum if s not in LEVELS]
+    need(not bad_stages, f"--curriculum {bad_stages} are not difficulty levels ({', '.join(LEVELS)})")
+    need(cfg.difficulty_samples >= 0, "--difficulty_samples must be >= 0")
+    need(not (cfg.curriculum and cfg.difficulty_samples) or cfg.difficulty_reward in cfg.reward_funcs,
+         f"--difficulty_reward {cfg.difficulty_reward!r} must be one of --reward_funcs {cfg.reward_funcs}")
+    need(len(cfg.difficulty_thresholds) == 2 and cfg.difficulty_thresholds[0] <= cfg.difficulty_thresholds[1],
+         f"--difficulty_thresholds {cfg.difficulty_thresholds} must be two increasing cuts")
+    need(not cfg.push_to_hub or cfg.hub_model_id, "--push_to_hub needs --hub_model_id")
+    need(cfg.save_steps >= 1 and cfg.logging_steps >= 1, "--save_steps and --logging_steps must be >= 1")
+    need(cfg.num_iterations == 1 or cfg.save_steps % cfg.num_iterations == 0,
+         f"--save_steps {cfg.save_steps} must be a multiple of --num_iterations {cfg.num_iterations} "
+         "(checkpoints are taken between generation rounds)")
+    need(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 0,
+         "--num_completions_to_print must be >= 0 or none")
+    need(cfg.eval_samples is None or cfg.eval_samples >= 1, "--eval_samples must be >= 1 or none")
+    need(cfg.eval_batch_size >= 1, "--eval_batch_size must be >= 1")
+    need(cfg.cpu_threads is None or cfg.cpu_threads >= 1, f"--cpu_threads {cfg.cpu_threads} must be >= 1")
     if cfg.use_vllm:
         require_vllm()
-    if cfg.push_to_hub and not cfg.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
-    if cfg.num_iterations > 1 and cfg.save_steps % cfg.num_iterations:
-        raise ValueError(f"--save_steps {cfg.save_steps} must be a multiple of --num_iterations {cfg.num_iterations} "
-                         "(checkpoints are taken between generation rounds)")
+
+
+def build_rewards(cfg, columns):
+    """The reward functions of --reward_funcs, each checked against TRL's call on these data set columns."""
+    fns = []
+    for name in cfg.reward_funcs:
+        options = dict(cfg.reward_kwargs.get(name, {}))
+        if name == "overlong_penalty":  # DAPO's punishment is relative to the generation budget
+            options.setdefault("max_completion_length", cfg.max_completion_length)
+        try:
+            fn = get_reward(name, **options)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"--reward_funcs {name}: {e}") from None
+        check_reward_call(fn, name, columns)
+        fns.append(fn)
+    return fns
 
 
 def main(cfg: GRPOConfig):
     # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
-                              project_dir=cfg.output_dir)
-    validate(cfg, accelerator.num_processes)
+                              mixed_precision="bf16" if cfg.bf16 else "no",
+                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
+    validate(cfg, accelerator.num_processes, accelerator.distributed_type.name)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
     rank, world = accelerator.process_index, accelerator.num_processes
     B, G = cfg.per_device_train_batch_size, cfg.num_generations
     GA, mu = cfg.gradient_accumulation_steps, cfg.num_iterations
     prompts_per_micro = B * world // G
+    local = slice(rank * B, (rank + 1) * B)  # this process's completions of a micro-batch
 
     # ---- data and rewards (validated before any model is loaded) ----
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
@@ -192,12 +263,8 @@ def main(cfg: GRPOConfig):
     dataset = load_vqa(dataset_path, split=cfg.dataset_split, image_column=cfg.image_column,
                        question_column=cfg.question_column, answer_column=cfg.answer_column,
                        steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=needs_steps)
-    unknown = set(cfg.reward_kwargs) - set(cfg.reward_funcs)
-    if unknown:
-        raise ValueError(f"--reward_kwargs names {sorted(unknown)}, which are not in --reward_funcs {cfg.reward_funcs}")
-    reward_fns = [get_reward(name, **cfg.reward_kwargs.get(name, {})) for name in cfg.reward_funcs]
+    reward_fns = build_rewards(cfg, dataset.column_names)
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
-    reward_columns = [c for c in dataset.column_names if c != "image"]
     eval_set = load_eval_set(cfg, accelerator)
 
     # ---- model, reference, optimiser ----
@@ -207,6 +274,8 @@ def main(cfg: GRPOConfig):
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     tokenizer = getattr(processor, "tokenizer", processor)
     model = prepare_for_training(model, cfg)
+    if cfg.disable_dropout:
+        disable_dropout(model)
 
     stop_ids = stop_token_ids(model, tokenizer)  # the same rule as evaluation and vLLM
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
@@ -228,10 +297,11 @@ def main(cfg: GRPOConfig):
     policy, optimizer = accelerator.prepare(policy, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     ref_policy = prepare_reference_model(cfg, model_path, policy, accelerator) if cfg.beta != 0.0 else None
+    if ref_policy is not None and cfg.disable_dropout:
+        disable_dropout(ref_policy)
     vllm = VLLMRollout(model_path, accelerator, cfg) if cfg.use_vllm else None  # clear error without vLLM
-
-    if cfg.use_pcgrad and accelerator.distributed_type.name == "DEEPSPEED":
-        raise ValueError("--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP")
+    # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
+    pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 
     # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
     global_step, round_index, state = 0, 0, {}
@@ -259,6 +329,56 @@ def main(cfg: GRPOConfig):
     def evaluate():
         return evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
 
+    def sample_micro_batch(prompt_idx, micro, reward_log):
+        """Rollout of one micro-batch (G completions per prompt, spread over the processes) and its rewards,
+        gathered so that every process sees whole groups."""
+        global_rows = [i for i in prompt_idx for _ in range(G)]
+        rows = [dataset[i] for i in global_rows[local]]
+        ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
+        seeds = completion_seeds(cfg.seed, round_index,
+                                 range(micro * B * world + rank * B, micro * B * world + (rank + 1) * B))
+        t0 = time.perf_counter()
+        out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[local], sample_ids=ids, seeds=seeds,
+                      stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=global_step)
+        timings["generation"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+        columns = {c: [r[c] for r in rows] for c in dataset.column_names}
+        before = {column: len(values) for column, values in reward_log.extra.items()}
+        local_rewards = call_rewards(reward_fns, cfg.reward_funcs, prompts=out["messages"],
+                                     completions=as_conversation(out["texts"]), completion_ids=token_ids,
+                                     columns=columns, trainer_state=trainer_state, log=reward_log)
+        mb = dict(out, rows=rows, ids=ids, keys=global_rows[local], prompt_rows=list(prompt_idx), token_ids=token_ids,
+                  extra={k: v[before.get(k, 0):] for k, v in reward_log.extra.items()},
+                  rewards=accelerator.gather(local_rewards.to(accelerator.device)).cpu())
+        if cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
+            mb["all_token_ids"] = [t for part in gather_object([token_ids]) for t in part]
+        timings["rewards"] += time.perf_counter() - t0
+        return mb
+
+    def rebuild_micro_batch(groups):
+        """A micro-batch of kept groups (from any micro-batch, any process): this process re-encodes its prompts
+        and takes its completions' token ids from the gathered ones."""
+        global_rows = [g["prompt"] for g in groups for _ in range(G)]
+        token_ids = [t for g in groups for t in g["token_ids"]][local]
+        rows = [dataset[i] for i in global_rows[local]]
+        ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
+        messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator,
+                                                           keys=global_rows[local], sample_ids=ids)
+        width = max(len(t) for t in token_ids)
+        completion_ids = torch.full((len(token_ids), width), tokenizer.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros_like(completion_ids)
+        for k, t in enumerate(token_ids):
+            completion_ids[k, :len(t)] = torch.tensor(t, dtype=torch.long)
+            completion_mask[k, :len(t)] = 1
+        texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
+                                       skip_special_tokens=True)
+        return dict(prompt_batch=prompt_batch, prompt_index=prompt_index,
+                    completion_ids=completion_ids.to(accelerator.device),
+                    completion_mask=completion_mask.to(accelerator.device), texts=texts, messages=messages, rows=rows,
+                    ids=ids, keys=global_rows[local], token_ids=token_ids, extra={},
+                    rewards=torch.cat([g["rewards"] for g in groups]))
+
     heldout_before = state.get("heldout_before")
     if eval_set is not None and cfg.eval_before and global_step == 0:
         heldout_before = evaluate()
@@ -267,67 +387,74 @@ def main(cfg: GRPOConfig):
     train_start = time.perf_counter()
 
     while global_step < max_steps:
-        # ---- 1. rollout: GA micro-batches of B completions per process, G per prompt across processes ----
+        # ---- 1. rollout + rewards: GA micro-batches of B completions per process, G per prompt across processes ----
         round_start = time.perf_counter()
         timings = dict.fromkeys(("generation", "rewards", "logprob", "backward"), 0.0)
-        buffer, round_stats = [], []
+        trainer_state = TrainerState(global_step=global_step, max_steps=max_steps)
+        reward_log = RewardLog()
         policy.eval()
-        for micro in range(GA):
-            prompt_idx = sampler.take(prompts_per_micro, global_step)
-            global_rows = [i for i in prompt_idx for _ in range(G)]
-            local = slice(rank * B, (rank + 1) * B)
-            rows = [dataset[i] for i in global_rows[local]]
-            ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
-            seeds = completion_seeds(cfg.seed, round_index,
-                                     range(micro * B * world + rank * B, micro * B * world + (rank + 1) * B))
+        generated = [sample_micro_batch(sampler.take(prompts_per_micro, global_step), micro, reward_log)
+                     for micro in range(GA)]
+        # DAPO dynamic sampling: keep only groups whose rewards vary, and refill the step from new prompts
+        sampling = {}
+        if cfg.dynamic_sampling:
+            extra_rounds = 0
+            while True:
+                groups = split_groups(generated, G, reward_weights, cfg.use_pcgrad)
+                missing = GA * prompts_per_micro - sum(g["spread"] for g in groups)
+                if missing <= 0 or extra_rounds == cfg.max_resample_rounds:
+                    break
+                extra_rounds += 1
+                generated += [sample_micro_batch(sampler.take(prompts_per_micro, global_step), len(generated) + m,
+                                                 reward_log) for m in range(math.ceil(missing / prompts_per_micro))]
             t0 = time.perf_counter()
-            out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[local], sample_ids=ids,
-                          seeds=seeds, stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=global_step)
-            prompt_batch, prompt_index = out["prompt_batch"], out["prompt_index"]
-            completion_ids, completion_mask, texts = out["completion_ids"], out["completion_mask"], out["texts"]
+            chosen = choose_groups(groups, GA * prompts_per_micro)
+            batches = [rebuild_micro_batch(chosen[m * prompts_per_micro:(m + 1) * prompts_per_micro])
+                       for m in range(GA)]
             timings["generation"] += time.perf_counter() - t0
+            sampling = {"frac_zero_std_groups": 1.0 - sum(g["spread"] for g in groups) / len(groups),
+                        "resample_rounds": extra_rounds, "generated_groups": len(groups)}
+        else:
+            batches = generated
 
-            # ---- 2. rewards on this process, advantages over whole groups (gathered across processes) ----
-            t0 = time.perf_counter()
-            local_rewards = score(reward_fns, texts, completion_ids, completion_mask,
-                                  {c: [r[c] for r in rows] for c in reward_columns})
-            all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu()
+        # ---- 2. advantages over whole groups (the gathered rewards), this process's slice ----
+        t0 = time.perf_counter()
+        for mb in batches:
             if cfg.use_pcgrad:  # one advantage per reward function, each normalised within its groups
-                advantages = torch.stack([group_advantages(all_rewards[:, j], G, scale=cfg.scale_rewards)
-                                          for j in range(len(reward_fns))], dim=-1)[local]
+                advantages = torch.stack([group_advantages(mb["rewards"][:, j], G, scale=cfg.scale_rewards)
+                                          for j in range(len(reward_fns))], dim=-1)
             else:
-                advantages = group_advantages(all_rewards, G, weights=reward_weights, scale=cfg.scale_rewards)[local]
-            timings["rewards"] += time.perf_counter() - t0
+                advantages = group_advantages(mb["rewards"], G, weights=reward_weights, scale=cfg.scale_rewards)
+            mb["all_advantages"] = advantages
+            mb["advantages"] = advantages[local].to(accelerator.device)
+            mb["truncated"] = truncated_completions(mb["completion_ids"], mb["completion_mask"], stop_ids)
+            mb["loss_mask"] = (mb["completion_mask"] * ~mb["truncated"][:, None] if cfg.mask_truncated_completions
+                               else mb["completion_mask"])
+        timings["rewards"] += time.perf_counter() - t0
 
-            # ---- 3. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                old_logps = (policy(prompt_batch, completion_ids, completion_mask, cfg.temperature,
-                                    prompt_index=prompt_index) if mu > 1 else None)
-                ref_logps = (ref_policy(prompt_batch, completion_ids, completion_mask, cfg.temperature,
-                                        prompt_index=prompt_index) if ref_policy else None)
-            timings["logprob"] += time.perf_counter() - t0
-            buffer.append(dict(batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids,
-                               completion_mask=completion_mask,
-                               advantages=advantages.to(accelerator.device), old_logps=old_logps, ref_logps=ref_logps))
-            round_stats.append(dict(rewards=all_rewards,
-                                    lengths=accelerator.gather(completion_mask.sum(-1)).float().cpu(),
-                                    samples=[dict(id=i, prompt=m[-1]["content"][-1]["text"], completion=t,
-                                                  reward=float(r))
-                                             for i, m, t, r in zip(ids, out["messages"], texts,
-                                                                   local_rewards.nan_to_num(0) @ reward_weights)]))
+        # ---- 3. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for mb in batches:
+                mb["old_logps"] = (policy(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"],
+                                          cfg.temperature, prompt_index=mb["prompt_index"]) if mu > 1 else None)
+                mb["ref_logps"] = (ref_policy(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"],
+                                              cfg.temperature, prompt_index=mb["prompt_index"]) if ref_policy else None)
+        timings["logprob"] += time.perf_counter() - t0
         # DAPO normalises by the completion tokens of the whole optimizer step, on all processes.
-        step_tokens = accelerator.reduce(torch.stack([b["completion_mask"].sum() for b in buffer]).sum().float(), "sum")
+        step_tokens = accelerator.reduce(torch.stack([b["loss_mask"].sum() for b in batches]).sum().float(), "sum")
 
         # ---- 4. mu optimisation passes over this round's completions ----
         policy.train()
         for _ in range(mu):
             step_loss, step_stats, grad_norm = 0.0, [], None
-            for mb in buffer:
+            for mb in batches:
                 t0 = time.perf_counter()
                 with accelerator.accumulate(policy):
-                    logps = policy(mb["batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature,
-                                   prompt_index=mb["prompt_index"])
+                    # PCGrad takes its own gradients, so its forward skips the DDP wrapper
+                    forward = accelerator.unwrap_model(policy) if pcgrad else policy
+                    logps = forward(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature,
+                                    prompt_index=mb["prompt_index"])
                     old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
                     loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb["ref_logps"],
                                    loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
@@ -335,11 +462,14 @@ def main(cfg: GRPOConfig):
                                    num_processes=world)
                     # accelerate divides by GA; dapo's normaliser already spans the whole step
                     scale = 1.0 if cfg.loss_type == "dapo" else 1.0 / GA
-                    if cfg.use_pcgrad:
-                        loss, stats = pcgrad_step(policy, logps, old, mb, reward_weights, cfg, accelerator, scale,
-                                                  **loss_kw)
+                    if pcgrad:
+                        loss, stats = pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw)
+                        if accelerator.sync_gradients:
+                            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + global_step)
+                            pcgrad.write_gradients(reduce=(lambda t: accelerator.reduce(t, "mean")) if world > 1
+                                                   else None, generator=generator)
                     else:
-                        loss, stats = clipped_policy_loss(logps, old, mb["advantages"], mb["completion_mask"],
+                        loss, stats = clipped_policy_loss(logps, old, mb["advantages"], mb["loss_mask"],
                                                           beta=cfg.beta, **loss_kw)
                         accelerator.backward(loss * GA if cfg.loss_type == "dapo" else loss)
                     if accelerator.sync_gradients and cfg.max_grad_norm:
@@ -354,12 +484,13 @@ def main(cfg: GRPOConfig):
 
             # ---- 5. log ----
             if global_step % cfg.logging_steps == 0 or global_step == max_steps:
-                metrics = step_metrics(round_stats, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator)
+                metrics = step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator)
+                metrics.update(sampling, **reward_log.metric_means())
                 metrics.update(learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
                                **{f"time/{k}": v for k, v in timings.items()})
                 logger.log(global_step, metrics)
-                logger.log_completions(global_step,
-                                       [s for st in round_stats for s in st["samples"]][: cfg.log_completions])
+                if cfg.log_completions:
+                    log_step_completions(logger, global_step, batches, reward_weights, cfg, accelerator)
 
             # ---- 6. checkpoint (atomic) and push ----
             if global_step % cfg.save_steps == 0 or global_step == max_steps:
@@ -400,41 +531,69 @@ def main(cfg: GRPOConfig):
     return policy
 
 
-def step_metrics(round_stats, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator):
-    """What one optimizer step logs: rewards (weighted and per function), loss, KL, clipping, the largest
-    importance-ratio deviation, the gradient norm before clipping and the completion length."""
-    rewards = torch.cat([s["rewards"] for s in round_stats])
-    weighted = (rewards.nan_to_num(0.0) * reward_weights).sum(-1)
+def step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator):
+    """What one optimizer step logs: rewards as TRL logs them (weighted, unscorable completions left out; per
+    function), loss, KL, clipping, the largest importance-ratio deviation, the gradient norm before clipping and
+    the completion length."""
+    rewards = torch.cat([mb["rewards"] for mb in batches])
+    weighted = weighted_rewards(rewards, reward_weights)
+    scored = weighted[~weighted.isnan()]
     G = cfg.num_generations
 
     def mean_over_steps(key):
         return accelerator.reduce(sum(s[key] for s in step_stats) / len(step_stats), "mean").item()
 
+    lengths = torch.cat([accelerator.gather(mb["completion_mask"].sum(-1)).float().cpu() for mb in batches])
+    cut = torch.cat([accelerator.gather(mb["truncated"]).float().cpu() for mb in batches])
     metrics = {
         "loss": accelerator.reduce(step_loss, "mean").item(),
-        "reward": weighted.mean().item(),
-        "reward_std": weighted.view(-1, G).std(-1).mean().item() if G > 1 else 0.0,
+        "reward": scored.mean().item() if len(scored) else float("nan"),
+        "reward_std": scored.std().item() if len(scored) > 1 else float("nan"),
+        "frac_reward_zero_std": 1.0 - has_spread(rewards, reward_weights, G).float().mean().item(),
+        "frac_unscorable": weighted.isnan().float().mean().item(),
         "kl": mean_over_steps("kl"),
         "clip_ratio": mean_over_steps("clip_ratio"),
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "ratio_max_dev": accelerator.reduce(torch.stack([s["ratio_max_dev"] for s in step_stats]).max(), "max").item(),
-        "completion_length": torch.cat([s["lengths"] for s in round_stats]).mean().item(),
+        "completion_length": lengths.mean().item(),
+        "completions/clipped_ratio": cut.mean().item(),
     }
     for j, name in enumerate(cfg.reward_funcs):
-        scored = rewards[:, j][~rewards[:, j].isnan()]
-        metrics[f"rewards/{name}"] = scored.mean().item() if len(scored) else float("nan")
+        values = rewards[:, j][~rewards[:, j].isnan()]
+        metrics[f"rewards/{name}"] = values.mean().item() if len(values) else float("nan")
     return metrics
 
 
-def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seeds, stop_ids, suppress_ids,
-            vllm=None, step=0):
-    """Sample one completion per row (rows with equal `keys` are the same prompt).
+def log_step_completions(logger, step, batches, reward_weights, cfg, accelerator):
+    """Every completion of the step (all processes) to completions.jsonl, as TRL's completions table; a few to
+    the console (--num_completions_to_print)."""
+    rows = []
+    for mb in batches:
+        n = len(mb["ids"])
+        mine = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
+        rewards = mb["rewards"][mine]
+        weighted = weighted_rewards(rewards, reward_weights).tolist()
+        for k, (sid, messages, text) in enumerate(zip(mb["ids"], mb["messages"], mb["texts"])):
+            row = dict(id=sid, prompt=messages[-1]["content"][-1]["text"], completion=text,
+                       reward=None if math.isnan(weighted[k]) else weighted[k],
+                       advantage=mb["all_advantages"][mine][k].tolist(),
+                       rewards={name: None if math.isnan(v) else v
+                                for name, v in zip(cfg.reward_funcs, rewards[k].tolist())})
+            row.update({column: values[k] for column, values in mb["extra"].items() if k < len(values)})
+            rows.append(row)
+    if accelerator.num_processes > 1:
+        rows = gather_object(rows)
+    logger.log_completions(step, rows)
+    for row in rows[:cfg.num_completions_to_print]:
+        accelerator.print(f"[step {step}] {row['id']} reward {row['reward']}: {row['completion'][:200]!r}")
 
-    When the model allows it, each distinct prompt is encoded once and its completions share its forward
-    pass in training: `prompt_batch` then has one row per prompt and `prompt_index` maps completions to
-    prompts (None otherwise). Generation always runs one row per completion.
-    """
-    tokenizer = getattr(processor, "tokenizer", processor)
+
+def encode_rows(policy, processor, rows, cfg, accelerator, *, keys, sample_ids):
+    """Chat messages and the encoded prompt batch of `rows` (rows with equal `keys` are the same prompt).
+
+    When the model allows it, each distinct prompt is encoded once and its completions share its forward pass
+    in training: `prompt_batch` then has one row per prompt and `prompt_index` maps completions to prompts
+    (None otherwise)."""
     messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
                                template=cfg.prompt_template, system_prompt=cfg.system_prompt) for r in rows]
     unique = sorted(set(keys), key=keys.index)
@@ -446,46 +605,44 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
     prompt_batch = encode_prompts(processor, [messages[j] for j in first], [images_of(rows[j]) for j in first],
                                   sample_ids=[sample_ids[j] for j in first],
                                   max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+    return messages, prompt_batch, prompt_index
+
+
+def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seeds, stop_ids, suppress_ids,
+            vllm=None, step=0):
+    """Sample one completion per row (rows with equal `keys` are the same prompt); see `encode_rows`. Where the
+    prompts are shared, each is prefilled once in generation too, and its completions continue from its cache."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator, keys=keys,
+                                                       sample_ids=sample_ids)
     if vllm is not None:
         completion_ids, completion_mask = vllm.generate(policy, processor, messages, [images_of(r) for r in rows],
                                                         seeds, step=step, stop_ids=stop_ids)
     else:
-        batch = expand_prompts(prompt_batch, prompt_index) if prompt_index is not None else prompt_batch
-        with unwrap_for_generation(policy, accelerator) as unwrapped:
+        with unwrap_for_generation(policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
             completion_ids, completion_mask = generate_completions(
-                unwrapped.model, batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
+                unwrapped.model, prompt_batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=stop_ids,
-                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
+                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids, prompt_index=prompt_index)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     return dict(prompt_batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids,
                 completion_mask=completion_mask, texts=texts, messages=messages)
 
 
-def score(reward_fns, texts, completion_ids, completion_mask, columns):
-    """Rewards [completions, reward functions]; NaN where a function returned None for a completion."""
-    token_ids = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
-    rewards = torch.full((len(texts), len(reward_fns)), float("nan"))
-    for j, fn in enumerate(reward_fns):
-        for k, value in enumerate(fn(texts, completion_ids=token_ids, **columns)):
-            if value is not None:
-                rewards[k, j] = float(value)
-    return rewards
-
-
-def pcgrad_step(policy, logps, old, mb, reward_weights, cfg, accelerator, scale, **loss_kw):
-    """One clipped surrogate per reward function (each with its own advantage), gradients combined by PCGrad,
-    the KL term added unprojected. Returns (total loss, stats) like `clipped_policy_loss`."""
-    losses = [w * clipped_policy_loss(logps, old, mb["advantages"][:, j], mb["completion_mask"], beta=0.0,
-                                      **loss_kw)[0] for j, w in enumerate(reward_weights.tolist())]
-    kl_loss, stats = clipped_policy_loss(logps, logps.detach(), torch.zeros_like(mb["advantages"][:, 0]),
-                                         mb["completion_mask"], beta=cfg.beta, **loss_kw)
-    pcgrad_backward([loss_j * scale for loss_j in losses], policy.parameters(),
-                    extra_loss=kl_loss * scale if cfg.beta else None)
-    if accelerator.sync_gradients and accelerator.num_processes > 1:  # autograd.grad bypasses DDP's all-reduce
-        for p in policy.parameters():
-            if p.grad is not None:
-                p.grad = accelerator.reduce(p.grad, "mean")
+def pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw):
+    """One clipped surrogate per reward function (each with its own advantage), added to the step's PCGrad
+    accumulator with the KL term as an unprojected extra. Returns (total loss, stats) like `clipped_policy_loss`;
+    the stats are those of the weighted advantage sum."""
+    weights = reward_weights.tolist()
+    losses = [w * clipped_policy_loss(logps, old, mb["advantages"][:, j], mb["loss_mask"], beta=0.0, **loss_kw)[0]
+              for j, w in enumerate(weights)]
+    kl_loss = clipped_policy_loss(logps, logps.detach(), torch.zeros_like(mb["advantages"][:, 0]), mb["loss_mask"],
+                                  beta=cfg.beta, **loss_kw)[0]
+    pcgrad.add([loss * scale for loss in losses], extra_loss=kl_loss * scale if cfg.beta else None)
+    with torch.no_grad():
+        _, stats = clipped_policy_loss(logps.detach(), old, mb["advantages"] @ reward_weights.to(logps.device),
+                                       mb["loss_mask"], beta=cfg.beta, **loss_kw)
     return sum(losses) + kl_loss, stats
 
 
@@ -498,18 +655,16 @@ def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, 
     """
     if cfg.difficulty_samples == 0:
         if cfg.difficulty_column not in dataset.column_names:
-            raise ValueError(f"--curriculum needs a '{cfg.difficulty_column}' column (--difficulty_column) or "
-                             f"--difficulty_samples k to estimate difficulty; columns: {dataset.column_names}")
+            raise ConfigError(f"--curriculum needs a '{cfg.difficulty_column}' column (--difficulty_column) or "
+                              f"--difficulty_samples k to estimate difficulty; columns: {dataset.column_names}")
         levels = dataset[cfg.difficulty_column]
-        bad = [(i, v) for i, v in enumerate(levels) if v not in ("easy", "medium", "hard")]
+        bad = [(i, v) for i, v in enumerate(levels) if v not in LEVELS]
         if bad:
-            raise ValueError(f"row {bad[0][0]}, column '{cfg.difficulty_column}': {bad[0][1]!r} "
-                             "is not easy/medium/hard")
+            raise ConfigError(f"row {bad[0][0]}, column '{cfg.difficulty_column}': {bad[0][1]!r} "
+                              "is not easy/medium/hard")
         return list(levels)
-    if cfg.difficulty_reward not in cfg.reward_funcs:
-        raise ValueError(f"--difficulty_reward {cfg.difficulty_reward!r} must be one of --reward_funcs "
-                         f"{cfg.reward_funcs}")
-    judge = reward_fns[cfg.reward_funcs.index(cfg.difficulty_reward)]
+    name = cfg.difficulty_reward
+    judge = reward_fns[cfg.reward_funcs.index(name)]
     rank, world, k = accelerator.process_index, accelerator.num_processes, cfg.difficulty_samples
     mine = list(range(rank, len(dataset), world))
     errors = {}
@@ -522,8 +677,10 @@ def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, 
         out = rollout(policy, processor, rows, cfg, accelerator, keys=keys, sample_ids=[r["id"] for r in rows],
                       seeds=completion_seeds(cfg.seed, -1, [i * k + j for i in idx for j in range(k)]),
                       stop_ids=stop_ids, suppress_ids=suppress_ids)
-        scores = score([judge], out["texts"], out["completion_ids"], out["completion_mask"],
-                       {c: [r[c] for r in rows] for c in dataset.column_names if c != "image"})[:, 0]
+        token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+        scores = call_rewards([judge], [name], prompts=out["messages"], completions=as_conversation(out["texts"]),
+                              completion_ids=token_ids, columns={c: [r[c] for r in rows] for c in dataset.column_names},
+                              trainer_state=TrainerState(global_step=0))[:, 0]
         for n, i in enumerate(idx):
             errors[i] = 1.0 - float((scores[n * k:(n + 1) * k] >= 1.0).sum()) / k
     gathered = {}
@@ -532,12 +689,13 @@ def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, 
     error_rates = [gathered[i] for i in range(len(dataset))]
     if cfg.rating_column:
         if cfg.rating_column not in dataset.column_names:
-            raise ValueError(f"--rating_column {cfg.rating_column!r} is not a column; columns: {dataset.column_names}")
+            raise ConfigError(f"--rating_column {cfg.rating_column!r} is not a column; columns: {dataset.column_names}")
         error_rates = combine_with_rating(error_rates, dataset[cfg.rating_column])
     return levels_from_scores(error_rates, split=cfg.difficulty_split, thresholds=tuple(cfg.difficulty_thresholds))
 
 
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
-    # With no arguments, run the tiny CPU recipe.
-    main(parse_config(GRPOConfig, sys.argv[1:] or ["--config", TINY_RECIPE]))
+    # With no arguments, run the tiny CPU recipe. Bad input (data, prompts, model paths) ends in one line.
+    with exit_on_bad_input("train_grpo.py"):
+        main(parse_config(GRPOConfig, sys.argv[1:] or ["--config", TINY_RECIPE]))

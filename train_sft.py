@@ -28,6 +28,7 @@ from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import choice, config_to_dict, parse_config, save_config
 from utils.data import load_sharegpt, load_vqa
+from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
@@ -167,8 +168,8 @@ def main(cfg: SFTConfig):
     # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no", log_with=tracker_list(cfg.report_to),
-                              project_dir=cfg.output_dir)
+                              mixed_precision="bf16" if cfg.bf16 else "no",
+                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
     validate(cfg)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
@@ -303,5 +304,6 @@ def main(cfg: SFTConfig):
 
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
-    # With no arguments, run the tiny CPU recipe.
-    main(parse_config(SFTConfig, sys.argv[1:] or ["--config", TINY_SFT_RECIPE]))
+    # With no arguments, run the tiny CPU recipe. Bad input (data, prompts, model paths) ends in one line.
+    with exit_on_bad_input("train_sft.py"):
+        main(parse_config(SFTConfig, sys.argv[1:] or ["--config", TINY_SFT_RECIPE]))

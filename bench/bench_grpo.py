@@ -1,19 +1,24 @@
-"""One GRPO step, ours (train_grpo.py) against TRL's GRPOTrainer, on the CPU.
+"""One GRPO step, ours (train_grpo.py) against TRL's GRPOTrainer, on the CPU, on three workloads.
 
-    python bench/bench_grpo.py                      # tiny Qwen2.5-VL (hidden 256, 4 layers), 1 warm-up + 5 timed steps
-    python bench/bench_grpo.py --quick              # hidden 128, 2 layers, 16 new tokens, 1 + 2 steps (a minute or two)
-    python bench/bench_grpo.py --repeats 2 --json bench_grpo.json
+    python bench/bench_grpo.py                      # the three workloads, tiny Qwen2.5-VL (hidden 256, 4 layers)
+    python bench/bench_grpo.py --threads 1 --repeats 2 --json bench_grpo.json
+    python bench/bench_grpo.py --workloads short --quick   # hidden 128, 2 layers, 16 new tokens, 1 + 2 steps
 
-Both sides get the same model folder, the same shapes-VQA rows (crystal_json prompt, one image each), the
-same `format` + `accuracy` rewards, G = 8, 8 completions per step, beta = 0.04 (so both load a reference
-model), temperature 1, the same learning rate, `loss_type` dapo, one optimisation pass per generation, fp32.
-TRL (a dev-only install, requirements-dev.txt) is skipped with a message when it is not importable.
+Workloads (`--workloads`, default all three, each with its target):
+  short     an 84 px image (9 image tokens) and a one-line question with no system prompt (~38 prompt tokens),
+            completions of natural length (up to 64 tokens): what a new user tries first. Target >= 1.2x TRL.
+  image448  the same question with a 448 px image: 256 image tokens, a real VLM prompt (~285 tokens), natural
+            length. Target >= 2x TRL.
+  forced    the CRYSTAL JSON system prompt with the 84 px image (126 prompt tokens), every completion forced to
+            64 tokens (equal work on both sides: TRL through `generation_kwargs={"min_new_tokens": N}`, ours by
+            adding the EOS ids to the tokens its sampler suppresses; train_grpo.py has no min-length flag).
+Targets hold at no more peak memory than TRL. Natural lengths differ between the two samplers (different
+random streams), so the mean completion length of each side is printed next to its time.
 
-Equal work: a random tiny model emits EOS now and then, so by default both sides generate exactly
-`--max_completion_length` tokens: TRL through `generation_kwargs={"min_new_tokens": N}`, ours by adding the
-EOS ids to the tokens our sampler suppresses (train_grpo.py has no min-length flag; the patch only changes
-the suppressed id list, which is applied the same way either way). `--natural_length` samples freely on
-both sides instead; the mean completion lengths are printed either way.
+Both sides get the same model folder, the same shapes-VQA rows, the same `format` + `accuracy` rewards, G = 8,
+8 completions per step, beta = 0.04 (so both load a reference model), temperature 1, the same learning rate,
+`loss_type` dapo, one optimisation pass per generation, fp32. TRL (a dev-only install, requirements-dev.txt)
+is skipped with a message when it is not importable.
 
 Each framework runs in its own fresh process (one after the other, never at once), with the same torch
 and OpenMP thread count, so the peak RSS (ru_maxrss) is that framework's alone. On a machine other jobs
@@ -47,6 +52,11 @@ FRAMEWORKS = ("ours", "trl")
 
 FULL = dict(hidden_size=256, num_hidden_layers=4, max_completion_length=64, steps=5)
 QUICK = dict(hidden_size=128, num_hidden_layers=2, max_completion_length=16, steps=2)
+WORKLOADS = {
+    "short": dict(image_size=84, template="plain", force_length=False, target=1.2),
+    "image448": dict(image_size=448, template="plain", force_length=False, target=2.0),
+    "forced": dict(image_size=84, template="crystal_json", force_length=True, target=1.2),
+}
 
 
 def parse_args(argv=None):
@@ -67,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads in each worker")
     p.add_argument("--gradient_checkpointing", action="store_true",
                    help="turn it on in both (TRL's default is on, ours off; both off by default here)")
-    p.add_argument("--natural_length", action="store_true", help="let completions stop at EOS (unequal work)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+                   help="which workloads to run (default: all three)")
     p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     p.add_argument("--repeats", type=int, default=1, help="run every framework this many times (alternating)")
     p.add_argument("--workdir", default=None, help="where the model, data and run folders go (default: a temp dir)")
@@ -130,12 +141,13 @@ def run_ours(spec):
 
     train_grpo.RunLogger = TimedLogger
     cfg = train_grpo.GRPOConfig(
-        model_name_or_path=spec["model"], dataset_name=spec["data"], prompt_template="crystal_json",
+        model_name_or_path=spec["model"], dataset_name=spec["data"], prompt_template=spec["template"],
+        max_prompt_length=None,
         reward_funcs=["format", "accuracy"], num_generations=spec["G"], per_device_train_batch_size=spec["batch"],
         max_completion_length=spec["max_completion_length"], temperature=1.0, beta=spec["beta"],
         loss_type=spec["loss_type"], learning_rate=spec["learning_rate"], num_iterations=1,
         max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_steps=10**9, report_to="none",
-        output_dir=spec["output_dir"], seed=spec["seed"], log_completions=0, dtype="float32",
+        output_dir=spec["output_dir"], seed=spec["seed"], log_completions=False, dtype="float32",
         gradient_checkpointing=spec["gradient_checkpointing"], cpu_threads=spec["threads"])
     train_grpo.main(cfg)
     with open(os.path.join(spec["output_dir"], "metrics.jsonl")) as f:
@@ -199,9 +211,15 @@ def run_trl(spec):
             marks["train_peak_rss_mb"] = peak_rss_mb()
 
     model, processor = load_model_and_processor(spec["model"], dtype="float32")
+    from utils.samplers import SeededSampler
+
     data = load_from_disk(spec["data"])
+    # The prompts ours draws, in its order (its seeded sampler, stage 0): TRL reads them unshuffled, so both sides
+    # see the same prompt each step and natural completion lengths differ only by the sampling noise.
+    order = SeededSampler(len(data), seed=spec["seed"]).take(len(data))
+    data = data.select(order)
     # TRL's VLM format: conversational `prompt` with image placeholders, images in the `image` column.
-    data = data.map(lambda row: {"prompt": build_messages(row["question"], num_images=1, template="crystal_json")})
+    data = data.map(lambda row: {"prompt": build_messages(row["question"], num_images=1, template=spec["template"])})
     generation_kwargs = {"min_new_tokens": spec["max_completion_length"]} if spec["force_length"] else None
     args = GRPOConfig(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"], num_generations=spec["G"],
@@ -209,6 +227,7 @@ def run_trl(spec):
         loss_type=spec["loss_type"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
         num_iterations=1, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, bf16=False, seed=spec["seed"], generation_kwargs=generation_kwargs,
+        shuffle_dataset=False,
         disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=spec["gradient_checkpointing"])
     trainer = TimedGRPOTrainer(model=model, reward_funcs=[get_reward("format"), get_reward("accuracy")], args=args,
                                train_dataset=data, processing_class=processor, callbacks=[StepTimer()])
@@ -241,18 +260,19 @@ def worker(args):
 # ---------------------------------------------------------------------------------------------
 
 
-def prepare(args, workdir):
-    """The tiny VLM folder and the shapes-VQA rows both frameworks train on."""
+def prepare(args, workdir, image_size):
+    """The tiny VLM folder and the shapes-VQA rows both frameworks train on (images of `image_size` px)."""
     sys.path.insert(0, REPO)
     from tiny.models import make_tiny_vlm
     from tiny.shapes import make_shapes_vqa
 
-    model = os.path.join(workdir, f"tiny-vlm-h{args.hidden_size}-l{args.num_hidden_layers}")
-    data = os.path.join(workdir, f"shapes-{args.rows}")
+    model = os.path.join(workdir, f"tiny-vlm-h{args.hidden_size}-l{args.num_hidden_layers}-px{image_size}")
+    data = os.path.join(workdir, f"shapes-{args.rows}-px{image_size}")
     if not os.path.isdir(model):
-        make_tiny_vlm(model, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, seed=args.seed)
+        make_tiny_vlm(model, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, seed=args.seed,
+                      image_size=image_size)
     if not os.path.isdir(data):
-        make_shapes_vqa(args.rows, seed=args.seed).save_to_disk(data)
+        make_shapes_vqa(args.rows, seed=args.seed, image_size=image_size).save_to_disk(data)
     return model, data
 
 
@@ -296,7 +316,7 @@ def summarize(result, warmup, batch):
                 step_times=[s["step_time"] for s in timed])
 
 
-def print_table(rows, title):
+def print_table(rows, title, target):
     print(f"\n{title}  (s/step: median over the timed steps; CPU: process CPU seconds per step)")
     print(f"{'framework':<10} {'s/step':>7} {'mean':>7} {'min':>7} {'CPU s':>7} {'compl/s':>8} {'peak RSS MB':>12} "
           f"{'mean len':>9}   " + " ".join(f"{k:>10}" for k in PHASES + ("other",)))
@@ -312,10 +332,14 @@ def print_table(rows, title):
     ratios = dict(throughput_ratio=trl["sec_per_step"] / ours["sec_per_step"],
                   throughput_ratio_min=trl["sec_per_step_min"] / ours["sec_per_step_min"],
                   throughput_ratio_cpu=trl["cpu_sec_per_step"] / ours["cpu_sec_per_step"],
+                  # per generated token: natural lengths differ between the two samplers
+                  token_throughput_ratio=(trl["sec_per_step"] / trl["mean_completion_length"])
+                  / (ours["sec_per_step"] / ours["mean_completion_length"]),
                   rss_ratio=ours["peak_rss_mb"] / trl["peak_rss_mb"])
     speed, mem = ratios["throughput_ratio"], ratios["rss_ratio"]
     print(f"throughput ours / TRL = {speed:.2f}x median, {ratios['throughput_ratio_min']:.2f}x best step, "
-          f"{ratios['throughput_ratio_cpu']:.2f}x CPU time (target >= 1.2x: {'met' if speed >= 1.2 else 'NOT met'}); "
+          f"{ratios['throughput_ratio_cpu']:.2f}x CPU time, {ratios['token_throughput_ratio']:.2f}x per generated "
+          f"token (target >= {target}x: {'met' if speed >= target else 'NOT met'}); "
           f"peak RSS ours / TRL = {mem:.2f} ({'no more' if mem <= 1.0 else 'MORE'} than TRL)")
     return ratios
 
@@ -335,33 +359,39 @@ def main(args):
         frameworks.remove("trl")
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_grpo-")
     os.makedirs(workdir, exist_ok=True)
-    model, data = prepare(args, workdir)
-    spec = dict(model=model, data=data, G=args.num_generations, batch=args.batch_size,
-                max_completion_length=args.max_completion_length, beta=args.beta, loss_type=args.loss_type,
-                learning_rate=args.learning_rate, warmup=args.warmup, steps=args.steps, threads=args.threads,
-                force_length=not args.natural_length, seed=args.seed,
-                gradient_checkpointing=args.gradient_checkpointing)
-    print(f"tiny Qwen2.5-VL hidden {args.hidden_size} x {args.num_hidden_layers} layers; G {args.num_generations}, "
-          f"{args.batch_size} completions/step, {args.max_completion_length} new tokens "
-          f"({'natural length' if args.natural_length else 'forced length'}), beta {args.beta}, "
-          f"{args.warmup} warm-up + {args.steps} timed steps, {args.threads} threads; workdir {workdir}")
-    runs = []
-    for repeat in range(args.repeats):
-        rows = []
-        for framework in frameworks:
-            tag = f"{framework}-{repeat}"
-            result = run_worker(framework, dict(spec, output_dir=os.path.join(workdir, f"run-{tag}")), workdir, tag)
-            row = summarize(result, args.warmup, args.batch_size)
-            row["process_seconds"] = result["process_seconds"]
-            rows.append(row)
-        ratios = print_table(rows, f"run {repeat + 1} of {args.repeats}")
-        runs.append(dict(rows=rows, **ratios))
+    results = {}
+    for workload in args.workloads:
+        load = WORKLOADS[workload]
+        model, data = prepare(args, workdir, load["image_size"])
+        spec = dict(model=model, data=data, G=args.num_generations, batch=args.batch_size,
+                    max_completion_length=args.max_completion_length, beta=args.beta, loss_type=args.loss_type,
+                    learning_rate=args.learning_rate, warmup=args.warmup, steps=args.steps, threads=args.threads,
+                    force_length=load["force_length"], template=load["template"], seed=args.seed,
+                    gradient_checkpointing=args.gradient_checkpointing)
+        print(f"\n=== workload {workload}: {load['image_size']} px image, {load['template']} prompt, "
+              f"{'forced' if load['force_length'] else 'natural'} length (max {args.max_completion_length} new "
+              f"tokens); tiny Qwen2.5-VL hidden {args.hidden_size} x {args.num_hidden_layers} layers; "
+              f"G {args.num_generations}, {args.batch_size} completions/step, beta {args.beta}, {args.warmup} warm-up "
+              f"+ {args.steps} timed steps, {args.threads} threads; workdir {workdir}")
+        runs = []
+        for repeat in range(args.repeats):
+            rows = []
+            for framework in frameworks:
+                tag = f"{workload}-{framework}-{repeat}"
+                result = run_worker(framework, dict(spec, output_dir=os.path.join(workdir, f"run-{tag}")), workdir,
+                                    tag)
+                row = summarize(result, args.warmup, args.batch_size)
+                row["process_seconds"] = result["process_seconds"]
+                rows.append(row)
+            ratios = print_table(rows, f"{workload}: run {repeat + 1} of {args.repeats}", load["target"])
+            runs.append(dict(rows=rows, **ratios))
+        results[workload] = dict(target=load["target"], runs=runs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config={k: v for k, v in vars(args).items() if k not in ("worker", "spec", "result")},
-                           runs=runs), f, indent=2)
+                           workloads=results), f, indent=2)
         print(f"wrote {args.json}")
-    return runs
+    return results
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ def main(argv=None) -> None:
              ("cpr", crystal, crystal_cols, None), ("reasoning", crystal, crystal_cols, None),
              ("think_format", math, {}, None), ("math_accuracy", math, math_cols, clear_math_caches)]
     rewards = {name: get_reward(name) for name, *_ in cases}
-    rewards["length_penalty"] = get_reward("length_penalty", max_length=2048, cache_length=512, unit="chars")
-    cases.append(("length_penalty", math, {}, None))
+    rewards["overlong_penalty"] = get_reward("overlong_penalty", max_completion_length=2048, buffer_length=512,
+                                            unit="chars")
+    cases.append(("overlong_penalty", math, {}, None))
     if args.spr:
         rewards["spr"] = get_reward("spr")
         from rewards.crystal import _EMBEDDERS

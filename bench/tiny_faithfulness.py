@@ -2,6 +2,8 @@
 
     python bench/tiny_faithfulness.py                 # both recipes, seeds 0 and 1 (about 7-8 min per run on 2 cores)
     python bench/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo
+    python bench/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo --tag dynamic \
+        --train_flags "--dynamic_sampling true" --skip_evaluate          # held-out accuracy only
 
 For each recipe and seed it runs `train_grpo.py --config recipes/<recipe>.yaml --seed S` (skipped when
 that run's train_summary.json exists), then `evaluate.py --metrics crystal` on the final checkpoint, and
@@ -66,38 +68,48 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--out", default="outputs/faithfulness")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--train_flags", default="", help="extra train_grpo.py flags for every run, e.g. "
+                        "'--dynamic_sampling true'")
+    parser.add_argument("--tag", default="", help="added to the run folders' names (runs with other flags)")
+    parser.add_argument("--skip_evaluate", action="store_true",
+                        help="no evaluate.py pass: held-out accuracy (train_grpo.py's own) only")
     args = parser.parse_args()
     sys.path.insert(0, REPO)
     os.chdir(REPO)  # the tiny cache and --out are relative to the repository
     from tiny.cache import tiny_sft_path
 
     meta = held_out_objects()
-    warm = os.path.join(args.out, "warm-start-eval")
-    warm_scores = evaluate(tiny_sft_path(), warm)
-    warm_kinds = kind_breakdown(os.path.join(REPO, warm, "generations.jsonl"), meta)
-    print(f"warm start: accuracy {warm_scores['accuracy']:.3f}, Match F1 {warm_scores['match_f1']:.3f}, "
-          f"count {warm_kinds['count']:.3f}, count_color {warm_kinds['count_color']:.3f}, "
-          f"colour-blind count_color answers {warm_kinds['colour_blind']:.3f}")
+    if not args.skip_evaluate:
+        warm = os.path.join(args.out, "warm-start-eval")
+        warm_scores = evaluate(tiny_sft_path(), warm)
+        warm_kinds = kind_breakdown(os.path.join(REPO, warm, "generations.jsonl"), meta)
+        print(f"warm start: accuracy {warm_scores['accuracy']:.3f}, Match F1 {warm_scores['match_f1']:.3f}, "
+              f"count {warm_kinds['count']:.3f}, count_color {warm_kinds['count_color']:.3f}, "
+              f"colour-blind count_color answers {warm_kinds['colour_blind']:.3f}")
     rows = []
     for recipe in args.recipes:
         for seed in args.seeds:
-            out = os.path.join(args.out, f"{recipe}-seed{seed}")
+            out = os.path.join(args.out, f"{recipe}{'-' + args.tag if args.tag else ''}-seed{seed}")
             summary_path = os.path.join(REPO, out, "train_summary.json")
             if not os.path.exists(summary_path):
                 run([sys.executable, "train_grpo.py", "--config", f"recipes/{recipe}.yaml", "--seed", str(seed),
-                     "--output_dir", out, "--report_to", "none"])
+                     "--output_dir", out, "--report_to", "none", *args.train_flags.split()])
             with open(summary_path) as f:
                 summary = json.load(f)
-            checkpoint = os.path.join(out, f"checkpoint-{summary['global_step']}")
-            eval_dir = os.path.join(out, "eval")
-            scores = evaluate(checkpoint, eval_dir)
-            crystal = scores.get("crystal", scores)
-            rows.append(dict(recipe=recipe, seed=seed, accuracy_before=summary.get("heldout_accuracy_before"),
-                             accuracy_after=summary.get("heldout_accuracy_after"),
-                             reasoning_agrees_before=summary.get("heldout_reasoning_agrees_before"),
-                             reasoning_agrees_after=summary.get("heldout_reasoning_agrees_after"),
-                             match_f1=crystal.get("match_f1"), train_runtime=summary.get("train_runtime"),
-                             **kind_breakdown(os.path.join(REPO, eval_dir, "generations.jsonl"), meta)))
+            row = dict(recipe=recipe + (f" ({args.tag})" if args.tag else ""), seed=seed,
+                       accuracy_before=summary.get("heldout_accuracy_before"),
+                       accuracy_after=summary.get("heldout_accuracy_after"),
+                       reasoning_agrees_before=summary.get("heldout_reasoning_agrees_before"),
+                       reasoning_agrees_after=summary.get("heldout_reasoning_agrees_after"),
+                       train_runtime=summary.get("train_runtime"), match_f1=None, count=None, count_color=None,
+                       colour_blind=None)
+            if not args.skip_evaluate:
+                checkpoint = os.path.join(out, f"checkpoint-{summary['global_step']}")
+                eval_dir = os.path.join(out, "eval")
+                scores = evaluate(checkpoint, eval_dir)
+                row["match_f1"] = scores.get("crystal", scores).get("match_f1")
+                row.update(kind_breakdown(os.path.join(REPO, eval_dir, "generations.jsonl"), meta))
+            rows.append(row)
     print("\n| recipe | seed | held-out accuracy before -> after | reasoning states the answer before -> after "
           "| Match F1 after | count | count_color | colour-blind count_color answers | GRPO seconds |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -4,9 +4,11 @@
     A_i = (r_i - mean_group(r)) / (std + eps)
 
 std is the unbiased sample std of the group ("group"), of the whole batch ("batch", the mean is
-still the group's), or no division at all ("none"). Defined edge cases:
-- a sample whose every reward is NaN gets r_i = 0 (it still counts in its group's mean and std);
-- groups of one have no std and no spread: their advantage is 0 under every scale;
+still the group's), or no division at all ("none"). Defined edge cases (TRL 1.16's rules):
+- a sample whose every reward is NaN is unscorable: it is left out of its group's mean and std (and of
+  the batch std) and its advantage is 0;
+- a group with fewer than two scorable samples (groups of one included) has no spread: its advantages
+  are 0 under every scale;
 - a constant group has std 0, so its advantages are 0 / eps = 0.
 """
 
@@ -32,14 +34,21 @@ def group_advantages(rewards, group_size, *, weights=None, scale="group", eps=1e
     if _use_triton(backend, rewards):
         total, adv = _group_advantages_triton(rewards, weights, group_size, eps, normalise=scale == "group")
     else:
-        total = torch.nansum(rewards * weights, dim=1)
+        scorable = ~rewards.isnan().all(dim=1)
+        total = torch.nansum(rewards * weights, dim=1).masked_fill(~scorable, 0.0)
+        valid = scorable.view(-1, group_size).float()
+        count = valid.sum(1, keepdim=True)
         grouped = total.view(-1, group_size)
-        adv = grouped - grouped.mean(1, keepdim=True)
+        mean = (grouped * valid).sum(1, keepdim=True) / count.clamp(min=1.0)
+        adv = (grouped - mean) * valid
         if scale == "group":
-            adv = adv / (grouped.std(1, keepdim=True) + eps)
-        adv = adv.reshape(-1)
+            std = (adv.pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1.0)).sqrt()
+            adv = adv / (std + eps)
+        adv = (adv * (count > 1)).reshape(-1)
+        total = total.masked_fill(~scorable, float("nan"))
     if scale == "batch":
-        adv = adv / (total.std() + eps)
+        scored = total[~total.isnan()]
+        adv = adv / (scored.std() + eps) if scored.numel() > 1 else torch.zeros_like(adv)
     return adv
 
 
@@ -78,20 +87,26 @@ def _group_advantages_kernel(
     rewards_ptr, weights_ptr, total_ptr, adv_ptr, n_rewards, group_size, eps,
     NORMALISE: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    # One program per group: weighted NaN-skipping sum over reward functions, mean, unbiased std.
+    # One program per group: weighted NaN-skipping sum over reward functions, then the mean and unbiased std
+    # of the scorable samples (at least one reward not NaN); unscorable samples get NaN totals and 0 advantages.
     offs = tl.arange(0, BLOCK_G)
     ok = offs < group_size
     rows = tl.program_id(0) * group_size + offs
     total = tl.zeros((BLOCK_G,), tl.float32)
+    present = tl.zeros((BLOCK_G,), tl.float32)
     for k in range(0, n_rewards):
-        x = tl.load(rewards_ptr + rows * n_rewards + k, mask=ok, other=0.0)
+        x = tl.load(rewards_ptr + rows * n_rewards + k, mask=ok, other=float("nan"))
         total += tl.where(x == x, x * tl.load(weights_ptr + k), 0.0)  # x != x only for NaN
-    mean = tl.sum(total, axis=0) / group_size
-    adv = tl.where(ok, total - mean, 0.0)
+        present += tl.where(x == x, 1.0, 0.0)
+    valid = present > 0
+    count = tl.sum(tl.where(valid, 1.0, 0.0), axis=0)
+    mean = tl.sum(tl.where(valid, total, 0.0), axis=0) / tl.maximum(count, 1.0)
+    adv = tl.where(valid, total - mean, 0.0)
     if NORMALISE:
-        std = tl.sqrt(tl.sum(adv * adv, axis=0) / (group_size - 1))
+        std = tl.sqrt(tl.sum(adv * adv, axis=0) / tl.maximum(count - 1.0, 1.0))
         adv = adv / (std + eps)
-    tl.store(total_ptr + rows, total, mask=ok)
+    adv = tl.where(count > 1, adv, 0.0)
+    tl.store(total_ptr + rows, tl.where(valid, total, float("nan")), mask=ok)
     tl.store(adv_ptr + rows, adv, mask=ok)
 
 

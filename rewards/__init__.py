@@ -30,7 +30,7 @@ _BUILTIN = {
     "reasoning": "rewards.crystal:reasoning_reward",
     "think_format": "rewards.text:think_format_reward",
     "math_accuracy": "rewards.text:math_accuracy_reward",
-    "length_penalty": "rewards.text:length_penalty_reward",
+    "overlong_penalty": "rewards.text:overlong_penalty_reward",
     "geneval": "rewards.geneval:geneval_reward",
     "judge_geneval_plus": "rewards.judge:judge_geneval_plus_reward",
     "judge_tiif": "rewards.judge:judge_tiif_reward",

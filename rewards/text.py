@@ -125,57 +125,59 @@ def math_accuracy_reward(timeout_seconds: int | None = 5):
     return RewardFunction("math_accuracy", _math_accuracy, timeout_seconds=timeout_seconds)
 
 
-# --- length_penalty ---------------------------------------------------------------------------------------
+# --- overlong_penalty -------------------------------------------------------------------------------------
 
 
-def soft_overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
-    """DAPO's soft over-long punishment: 0 up to max - cache, linear down to -1 at max, -1 beyond."""
-    start = max_length - cache_length
+def soft_overlong_penalty(length: int, max_length: int, buffer_length: int) -> float:
+    """DAPO's soft over-long punishment (its Eq. 13): 0 up to max - buffer, linear down to -1 at max, -1 beyond."""
+    start = max_length - buffer_length
     if length <= start:
         return 0.0
     if length >= max_length:
         return -1.0
-    return (start - length) / cache_length
+    return (start - length) / buffer_length
 
 
-def length_penalty_reward(max_length: int | None = None, cache_length: int | None = None, unit: str = "tokens",
-                          tokenizer: Any = None):
-    """Soft over-long punishment (DAPO): 0 below ``max_length - cache_length``, linear to -1 at ``max_length``.
+def overlong_penalty_reward(max_completion_length: int | None = None, buffer_length: int | None = None,
+                            unit: str = "tokens", tokenizer: Any = None):
+    """DAPO's soft over-long punishment: 0 up to ``max_completion_length - buffer_length`` tokens, linear down
+    to -1 at ``max_completion_length``, -1 beyond (TRL: ``get_soft_overlong_punishment``).
 
-    ``unit="tokens"`` counts the ``completion_ids`` the trainer passes (TRL does), else tokens from
-    ``tokenizer`` (an object or a name/path for AutoTokenizer); ``unit="chars"`` counts characters.
-    ``max_length`` should be the trainer's ``max_completion_length``; ``cache_length`` defaults to a quarter
-    of it (DAPO used 4096 of 20480).
+    train_grpo.py fills ``max_completion_length`` from its own flag when it is not given; ``buffer_length``
+    (DAPO's L_cache: 4096 of 20480) defaults to a quarter of it. ``unit="tokens"`` counts the
+    ``completion_ids`` the trainer passes (TRL does), else tokens from ``tokenizer`` (an object or a
+    name/path for AutoTokenizer); ``unit="chars"`` counts characters.
     """
-    if max_length is None:
-        raise ValueError("length_penalty needs max_length (e.g. the trainer's max_completion_length)")
+    if max_completion_length is None:
+        raise ValueError("overlong_penalty needs max_completion_length (train_grpo.py passes its own "
+                         "--max_completion_length)")
     if unit not in ("tokens", "chars"):
-        raise ValueError(f"length_penalty: unit must be 'tokens' or 'chars', got {unit!r}")
-    max_length = int(max_length)
-    cache_length = max(1, max_length // 4) if cache_length is None else int(cache_length)
-    if not 0 < cache_length <= max_length:
-        raise ValueError(f"length_penalty: need 0 < cache_length <= max_length, got cache_length={cache_length}, "
-                         f"max_length={max_length}")
+        raise ValueError(f"overlong_penalty: unit must be 'tokens' or 'chars', got {unit!r}")
+    max_completion_length = int(max_completion_length)
+    buffer_length = max(1, max_completion_length // 4) if buffer_length is None else int(buffer_length)
+    if not 0 < buffer_length <= max_completion_length:
+        raise ValueError(f"overlong_penalty: need 0 < buffer_length <= max_completion_length, got buffer_length="
+                         f"{buffer_length}, max_completion_length={max_completion_length}")
     if isinstance(tokenizer, str):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return RewardFunction("length_penalty", _length_penalty, max_length=max_length, cache_length=cache_length,
-                          unit=unit, tokenizer=tokenizer)
+    return RewardFunction("overlong_penalty", _overlong_penalty, max_completion_length=max_completion_length,
+                          buffer_length=buffer_length, unit=unit, tokenizer=tokenizer)
 
 
 def _lengths(completions, unit, tokenizer, columns) -> list[int]:
     if unit == "chars":
         return [len(t) for t in completion_texts(completions)]
-    ids = optional_column(columns, "completion_ids", len(completions), "length_penalty")
+    ids = optional_column(columns, "completion_ids", len(completions), "overlong_penalty")
     if ids is not None:
         return [len(x) for x in ids]
     if tokenizer is None:
-        raise ValueError("length_penalty with unit='tokens' needs the trainer to pass completion_ids, or "
+        raise ValueError("overlong_penalty with unit='tokens' needs the trainer to pass completion_ids, or "
                          "tokenizer=<tokenizer or name>; or use unit='chars'")
     return [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in completion_texts(completions)]
 
 
-def _length_penalty(completions, *, max_length, cache_length, unit, tokenizer, **columns) -> list[float]:
-    return [soft_overlong_penalty(n, max_length, cache_length)
+def _overlong_penalty(completions, *, max_completion_length, buffer_length, unit, tokenizer, **columns) -> list[float]:
+    return [soft_overlong_penalty(n, max_completion_length, buffer_length)
             for n in _lengths(completions, unit, tokenizer, columns)]

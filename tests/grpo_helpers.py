@@ -22,3 +22,13 @@ def completion_length(completions, **columns):
 def negative_length(completions, **columns):
     """The opposite objective of completion_length: conflicting gradients for PCGrad."""
     return [-r for r in completion_length(completions)]
+
+
+def none_on_odd(completions, **columns):
+    """Scores even rows by length; odd rows are unscorable (every reward None)."""
+    return [completion_length([c])[0] if i % 2 == 0 else None for i, c in enumerate(completions)]
+
+
+def constant_on_even_prompts(completions, id, **columns):
+    """1.0 for every completion of an even-numbered prompt (a group without spread), length on odd ones."""
+    return [1.0 if int(i.rsplit("-", 1)[1]) % 2 == 0 else completion_length([c])[0] for i, c in zip(id, completions)]

@@ -94,7 +94,7 @@ def test_curriculum_from_column_trains_medium_then_hard(assets, tmp_path):
 
     from utils.tracking import read_jsonl
 
-    grpo(assets, tmp_path, curriculum=["medium", "hard"], max_steps=2, save_steps=1, log_completions=8,
+    grpo(assets, tmp_path, curriculum=["medium", "hard"], max_steps=2, save_steps=1, log_completions=True,
          reward_funcs=["tests.grpo_helpers:completion_length"])
     difficulty = dict(zip(*[load_from_disk(assets["data"])[c] for c in ("id", "difficulty")]))
     rows = read_jsonl(tmp_path / "completions.jsonl")

@@ -194,6 +194,27 @@ def test_errors_in_a_folder_of_files_name_the_file_and_its_own_row(tmp_path):
 # ---------------------------------------------------------------------------- render_question
 
 
+def test_crystal_schema_reads_choices_else_options_row_by_row(tmp_path):
+    """The CRYSTAL data set (waybarrios/CRYSTAL) has image, question, answer, reference_steps, choices, options and
+    source; its scripts take a row's choices when it has any, else its options."""
+    from datasets import Dataset, Features, List, Value
+    from datasets import Image as ImageFeature
+
+    images = [Image.new("RGB", (28, 28), c) for c in ("red", "blue", "green")]
+    table = Dataset.from_dict({
+        "image": images, "question": ["Which?", "Which one?", "How many?"], "answer": ["A", "B", "3"],
+        "reference_steps": [["look"], ["compare"], ["count"]],
+        "choices": [["cat", "dog"], [], []], "options": [[], ["left", "right"], []],
+        "source": ["mmvp", "sqa", "plotqa"],
+    }, features=Features({"image": ImageFeature(), "question": Value("string"), "answer": Value("string"),
+                          "reference_steps": List(Value("string")), "choices": List(Value("string")),
+                          "options": List(Value("string")), "source": Value("string")}))
+    table.save_to_disk(str(tmp_path / "crystal"))
+    ds = load_vqa(str(tmp_path / "crystal"), split="train")
+    assert ds["choices"] == [["cat", "dog"], ["left", "right"], None]
+    assert ds["source"] == ["mmvp", "sqa", "plotqa"] and "options" not in ds.column_names
+
+
 def test_render_question_letters_options():
     expected = "Which?\n\nA) red\nB) blue"
     assert render_question("Which?", ["red", "blue"]) == expected

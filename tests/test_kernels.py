@@ -284,24 +284,28 @@ def test_token_logprobs_masked_vocabulary():
 
 
 def reference_advantages(rewards, group_size, weights=None, scale="group", eps=1e-4):
+    """float64, sample by sample: unscorable samples (every reward NaN) out of the statistics, advantage 0."""
     rewards = torch.as_tensor(rewards, dtype=torch.float64)
     rewards = rewards[:, None] if rewards.dim() == 1 else rewards
-    weights = torch.ones(rewards.shape[1], dtype=torch.float64) if weights is None else torch.tensor(weights).double()
-    totals = [sum(w * r for w, r in zip(weights.tolist(), row) if not math.isnan(r)) for row in rewards.tolist()]
-    totals = torch.tensor(totals, dtype=torch.float64)
+    weights = [1.0] * rewards.shape[1] if weights is None else list(weights)
+    rows = rewards.tolist()
+    totals = [None if all(math.isnan(r) for r in row) else sum(w * r for w, r in zip(weights, row) if not math.isnan(r))
+              for row in rows]
+    scored = torch.tensor([t for t in totals if t is not None], dtype=torch.float64)
     out = []
     for start in range(0, len(totals), group_size):
         group = totals[start : start + group_size]
-        centred = group - group.mean()
-        if group_size == 1:
-            out.append(torch.zeros(1, dtype=torch.float64))
-        elif scale == "group":
-            out.append(centred / (group.std() + eps))
-        elif scale == "batch":
-            out.append(centred / (totals.std() + eps))
-        else:
-            out.append(centred)
-    return torch.cat(out)
+        present = torch.tensor([t for t in group if t is not None], dtype=torch.float64)
+        for t in group:
+            if t is None or len(present) < 2:
+                out.append(0.0)
+            elif scale == "group":
+                out.append((t - present.mean().item()) / (present.std().item() + eps))
+            elif scale == "batch":
+                out.append((t - present.mean().item()) / (scored.std().item() + eps))
+            else:
+                out.append(t - present.mean().item())
+    return torch.tensor(out, dtype=torch.float64)
 
 
 ADV_BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -315,15 +319,41 @@ def test_group_advantages_weighted_with_nan(backend, scale, group_size):
     gen = torch.Generator().manual_seed(5)
     rewards = torch.rand(12, 3, generator=gen) * 4
     rewards[1, 0] = rewards[6, 2] = math.nan
-    rewards[7] = math.nan  # every reward missing: the sample's reward is 0
+    rewards[7] = math.nan  # every reward missing: unscorable, out of its group's statistics, advantage 0
+    rewards[9:11] = math.nan  # with groups of 3 (9, 10, 11) one scorable sample is left: no spread
     weights = [1.0, 0.5, 2.0]
     device = device_for(backend)
     adv = group_advantages(rewards.to(device), group_size, weights=weights, scale=scale, backend=backend)
     assert adv.dtype == torch.float32 and adv.shape == (12,)
     want = reference_advantages(rewards, group_size, weights, scale)
     assert_close(adv.cpu(), want, 1e-5, f"advantages scale={scale}")
+    assert adv[7] == 0 and adv[9] == 0 and adv[10] == 0
     if group_size == 1:
         assert not adv.any()  # groups of one: std undefined, advantage defined as 0
+    if group_size == 3:
+        assert adv[11] == 0  # the group's only scorable sample has nothing to be compared with
+
+
+@pytest.mark.parametrize("backend", ADV_BACKENDS)
+def test_unscorable_samples_leave_the_baseline_as_in_trl(backend):
+    """TRL 1.16 (sum_then_normalize): unscorable rows are NaN in the nan-aware mean / std, then advantage 0."""
+    from trl.trainer import utils as trainer_utils  # requirements-dev.txt (CI installs it)
+    rewards = torch.tensor([[1.0, 0.0], [math.nan, math.nan], [0.0, 2.0], [3.0, math.nan],
+                            [math.nan, math.nan], [1.0, 1.0], [0.5, math.nan], [2.0, 0.0]])
+    weights = torch.tensor([1.0, 0.5])
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(rewards.to(device_for(backend)), 4, weights=weights, scale=scale,
+                               backend=backend).cpu()
+        unscorable = rewards.isnan().all(1)
+        total = (rewards * weights).nansum(1)
+        total[unscorable] = math.nan
+        grouped = total.view(-1, 4)
+        want = total - torch.nanmean(grouped, 1).repeat_interleave(4)
+        if scale == "group":
+            want = want / (trainer_utils.nanstd(grouped, dim=1).repeat_interleave(4) + 1e-4)
+        elif scale == "batch":
+            want = want / (trainer_utils.nanstd(total) + 1e-4)
+        assert_close(adv, torch.nan_to_num(want, nan=0.0), 1e-6, f"TRL parity, scale={scale}")
 
 
 @pytest.mark.parametrize("backend", ADV_BACKENDS)

@@ -73,3 +73,24 @@ def test_openvlthinker_grpo_recipes():
         assert cfg.curriculum == [stage]
         assert (cfg.num_generations, cfg.learning_rate, cfg.beta) == (5, 1e-6, 0.01)
         assert (cfg.epsilon, cfg.epsilon_high, cfg.temperature, cfg.top_p) == (0.2, 0.3, 1.0, 0.99)
+
+
+GRPO_RECIPES = sorted(p for p in glob.glob(os.path.join(REPO, "recipes", "*.yaml")) if "sft" not in p)
+
+
+@pytest.mark.parametrize("path", GRPO_RECIPES)
+def test_grpo_recipes_set_what_they_rely_on(path):
+    """Defaults a TRL user knows (loss_type, max_completion_length) changed to TRL's; a recipe never leans on them."""
+    with open(path) as f:
+        written = yaml.safe_load(f)
+    for key in ("loss_type", "max_completion_length", "num_generations", "learning_rate", "beta", "temperature",
+                "reward_funcs", "prompt_template", "dataset_name"):
+        assert key in written, (os.path.basename(path), key)
+
+
+def test_crystal_recipes_read_the_crystal_data_set_with_its_own_columns():
+    for name in ("crystal_answer_only", "crystal_cpr", "crystal_phase2", "crystal_spr"):
+        cfg = grpo_config(f"{name}.yaml")
+        assert cfg.dataset_name == "waybarrios/CRYSTAL"
+        assert (cfg.image_column, cfg.question_column, cfg.answer_column, cfg.steps_column, cfg.choices_column) == (
+            "image", "question", "answer", "reference_steps", None)

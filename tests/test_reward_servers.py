@@ -387,3 +387,26 @@ def test_batches_with_uneven_keys_stay_aligned(serve):
     assert out["scores"] == pytest.approx([0, 0.01, 0.02, 0.03, 0.04])
     assert out["strict_rewards"] == [0.0, 0.0, None, None, 0.0]
     assert out["group_rewards"]["colors"] == [None, None, 0.5, 0.5, None]
+
+
+# --- crystal-metrics' LLM grader behind `accuracy` ---------------------------------------------------------
+
+def test_accuracy_llm_grader_that_fails_is_reported_not_string_matched(serve):
+    """crystal-metrics' own judge falls back to string matching on any error; our `accuracy` reports it."""
+    from rewards.geneval import RewardServerError
+
+    answer = json.dumps({"reasoning_steps": ["The sky looks blue"], "answer": "the colour of the sky at noon"})
+    gold = ["a clear blue sky in daylight"]  # free text of several words: the grader is asked
+    down = serve(lambda attempt, path, body: (500, b'{"error": "overloaded"}'))
+    fn = get_reward("accuracy", use_llm_grader=True, llm_model="judge", base_url=down.url + "/v1")
+    with pytest.raises(RewardServerError, match=r"LLM grader 'judge' at http://127.0.0.1:\d+/v1 failed"):
+        fn([answer], answer=gold, question=["What colour is the sky?"])
+    assert down.requests and down.requests[0][0] == "/v1/chat/completions"
+
+    def verdict(attempt, path, body):
+        reply = {"choices": [{"message": {"role": "assistant", "content": '{"correct": true, "confidence": 0.9}'}}]}
+        return 200, json.dumps(reply).encode()
+
+    up = serve(verdict)
+    ok = get_reward("accuracy", use_llm_grader=True, llm_model="judge", base_url=up.url + "/v1")
+    assert ok([answer], answer=gold, question=["What colour is the sky?"]) == [pytest.approx(0.9)]

@@ -134,6 +134,63 @@ def test_cpr_formula_and_weights_are_applied():
     assert get_reward("cpr")([half], answer=["3"], reference_steps=[steps])[0] == pytest.approx(0.6 + 0.4 * f1)
 
 
+def test_cpr_combination_is_crystal_metrics_own(corpus):
+    """cpr_score with crystal-metrics' word-overlap F1 and answer check reproduces its causal_process_reward, so the
+    embedding matcher changes only the step term."""
+    from rewards.crystal import cpr_score
+
+    c, answer, steps = corpus["completions"], corpus["answer"], corpus["reference_steps"]
+    ours = []
+    for text, gt, ref in zip(c, answer, steps):
+        pred_steps, pred = cm.parse_reasoning_steps(text)
+        ref = [s.strip() for s in ref if s and s.strip()]
+        f1 = cm._step_alignment_f1(pred_steps, ref, threshold=0.3) if pred_steps and ref else 0.0
+        ours.append(cpr_score(cm.check_answer_match(pred, gt), f1, 0.6, 0.4))
+    assert ours == pytest.approx(cm.causal_process_reward(c, ground_truths=answer, reference_steps=steps), abs=1e-12)
+
+
+def test_cpr_embedding_matcher_pays_on_evaluates_match_f1(corpus):
+    """step_matcher='embedding' pays CPR on the Match F1 that evaluate.py --metrics crystal reports."""
+    import torch
+
+    from rewards.crystal import cpr_score
+    from utils.scoring import crystal_scores, resolve_embedding_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        picked = [i for i, ref in enumerate(corpus["reference_steps"]) if ref][:24]
+        rows = [dict(id=str(i), question=corpus["question"][i], answer=corpus["answer"][i],
+                     reference_steps=corpus["reference_steps"][i]) for i in picked]
+        texts = [corpus["completions"][i] for i in picked]
+        fn = get_reward("cpr", step_matcher="embedding")
+        got = fn(_as_chat(texts), answer=[r["answer"] for r in rows],
+                 reference_steps=[r["reference_steps"] for r in rows])
+        # evaluate.py's matcher on the same steps (every completion kept, so the F1 is per completion)
+        predictions, references = {}, {}
+        for r, text in zip(rows, texts):
+            pred_steps, pred = cm.parse_reasoning_steps(text)
+            predictions[r["id"]] = {"question": r["question"], "answer": pred or "-",
+                                    "reasoning_steps": [str(x).strip() for x in pred_steps if str(x).strip()]}
+            references[r["id"]] = {"reference_steps": r["reference_steps"], "answer": r["answer"]}
+        model, threshold = resolve_embedding_model("all-MiniLM-L6-v2")
+        _, per_sample = crystal_scores(predictions, references, embedding_model=model, threshold=threshold, alpha=0.0)
+        want = [cpr_score(cm.check_answer_match(cm.parse_reasoning_steps(t)[1], r["answer"]),
+                          per_sample[r["id"]]["match_f1"], 0.6, 0.4) for r, t in zip(rows, texts)]
+        assert got == pytest.approx(want, abs=1e-6)
+        # a paraphrase: word overlap finds no match, the embedding matcher does
+        ref = [["There are two red circles in the picture"]]
+        para = json.dumps({"reasoning_steps": ["A pair of crimson rings appears in the image"], "answer": "2"})
+        assert get_reward("cpr")([para], answer=["2"], reference_steps=ref) == [0.6]
+        assert fn([para], answer=["2"], reference_steps=ref) == [pytest.approx(1.0)]
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="step_matcher must be one of"):
+        get_reward("cpr", step_matcher="cosine")
+    with pytest.raises(ValueError, match="need step_matcher='embedding'"):
+        get_reward("cpr", embedding_model="all-distilroberta-v1")
+
+
 def test_crystal_rewards_name_missing_columns():
     with pytest.raises(ValueError, match="needs the dataset column 'answer'.*reference_steps"):
         get_reward("cpr")(["x"], reference_steps=[["a"]])
@@ -186,7 +243,7 @@ def test_spr_missing_model_is_a_clear_error(tmp_path):
         get_reward("spr", model="no-such-org/no-such-model")
 
 
-# --- think_format, math_accuracy, length_penalty -----------------------------------------------------------
+# --- think_format, math_accuracy, overlong_penalty ---------------------------------------------------------
 
 @pytest.mark.parametrize("text,expected", [
     ("<think>I count 3.</think><answer>3</answer>", 1.0),
@@ -225,29 +282,32 @@ def test_math_accuracy_needs_answer_block_and_reads_last_one():
         fn(texts)
 
 
-def test_length_penalty_dapo_shape():
+def test_overlong_penalty_dapo_shape_equals_trl():
+    from trl.rewards import get_soft_overlong_punishment  # requirements-dev.txt (CI installs it)
+
     assert [soft_overlong_penalty(n, 100, 20) for n in (0, 80, 90, 99, 100, 150)] == pytest.approx(
         [0, 0, -0.5, -0.95, -1, -1])
-    fn = get_reward("length_penalty", max_length=100, cache_length=20)
-    ids = [[1] * 80, [1] * 90, [1] * 120]
-    assert fn(["a", "b", "c"], completion_ids=ids) == pytest.approx([0.0, -0.5, -1.0])
-    chars = get_reward("length_penalty", max_length=10, cache_length=4, unit="chars")
+    fn = get_reward("overlong_penalty", max_completion_length=100, buffer_length=20)
+    ids = [[1] * n for n in (0, 79, 80, 81, 90, 99, 100, 101, 120)]
+    trl = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)
+    assert fn(["x"] * len(ids), completion_ids=ids) == pytest.approx(trl(completion_ids=ids))
+    chars = get_reward("overlong_penalty", max_completion_length=10, buffer_length=4, unit="chars")
     assert chars(["123456", "12345678", [{"role": "assistant", "content": "x" * 30}]]) == pytest.approx(
         [0.0, -0.5, -1.0])
     with pytest.raises(ValueError, match="completion_ids"):
         fn(["abc"])
-    with pytest.raises(ValueError, match="max_length"):
-        get_reward("length_penalty")
-    with pytest.raises(ValueError, match="cache_length"):
-        get_reward("length_penalty", max_length=10, cache_length=20)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        get_reward("overlong_penalty")
+    with pytest.raises(ValueError, match="buffer_length"):
+        get_reward("overlong_penalty", max_completion_length=10, buffer_length=20)
 
 
-def test_length_penalty_counts_tokens_with_a_tokenizer():
+def test_overlong_penalty_counts_tokens_with_a_tokenizer():
     class WordTokenizer:
         def __call__(self, text, add_special_tokens=False):
             return {"input_ids": text.split()}
 
-    fn = get_reward("length_penalty", max_length=4, cache_length=2, tokenizer=WordTokenizer())
+    fn = get_reward("overlong_penalty", max_completion_length=4, buffer_length=2, tokenizer=WordTokenizer())
     assert fn(["a b", "a b c", "a b c d e"]) == pytest.approx([0.0, -0.5, -1.0])
 
 
@@ -305,7 +365,7 @@ def test_shapes_t2i_behaviours_and_logging_keys():
 
 def test_registry_lists_the_contract_names():
     assert set(list_rewards()) >= {"format", "accuracy", "cpr", "spr", "reasoning", "think_format",
-                                   "math_accuracy", "length_penalty", "geneval", "judge_geneval_plus",
+                                   "math_accuracy", "overlong_penalty", "geneval", "judge_geneval_plus",
                                    "judge_tiif", "shapes_t2i"}
     assert get_reward("cpr").__name__ == "cpr"  # TRL logs rewards by __name__
 
@@ -383,7 +443,7 @@ def test_rewards_pickle_and_take_trl_keywords(corpus, spr):
                       log_extra=lambda *a: None, log_metric=lambda *a: None)
     for fn in [get_reward("format"), get_reward("accuracy"), get_reward("cpr", answer_weight=0.7, step_weight=0.3),
                get_reward("reasoning"), get_reward("think_format"), get_reward("math_accuracy"),
-               get_reward("length_penalty", max_length=8, cache_length=4), spr,
+               get_reward("overlong_penalty", max_completion_length=8, buffer_length=4), spr,
                get_reward("geneval", reward_server_urls="http://127.0.0.1", reward_server_port="1", rank=0),
                get_reward("judge_tiif", base_url="http://127.0.0.1:1/v1", model="m")]:
         clone = pickle.loads(pickle.dumps(fn))
@@ -394,7 +454,6 @@ def test_rewards_pickle_and_take_trl_keywords(corpus, spr):
 
 
 def test_trl_rewards_load_through_the_registry():
-    pytest.importorskip("trl", reason="TRL is a dev-only install (requirements-dev.txt)")
     fn = get_reward("trl.rewards:think_format_reward")
     chat = [[{"role": "assistant", "content": "<think>a</think>b"}], [{"role": "assistant", "content": "b"}]]
     assert fn(chat) == [1.0, 0.0]

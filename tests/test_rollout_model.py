@@ -72,3 +72,20 @@ def test_sharing_is_refused_where_images_do_not_split_per_prompt(setup):
     if hasattr(model.config, "vision_config"):
         assert not can_share_prompts(model, [2, 1])
         assert can_share_prompts(model, [1, 1])
+
+
+def test_generation_with_a_shared_prefill_gives_the_same_completions(setup):
+    """Each prompt prefilled once and its cache shared by its completions: the same samples as one prefill per
+    completion (the sampler's noise depends only on seed, position and token)."""
+    model, prompts, prompt_index, ids, mask, _ = setup
+    eos = model.generation_config.eos_token_id
+    tok_ids = dict(row_seeds=completion_seeds(0, 0, range(6)), max_new_tokens=12, temperature=1.0,
+                   eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else [eos], pad_token_id=0)
+    plain_ids, plain_mask = generate_completions(model, expand_prompts(prompts, prompt_index), **tok_ids)
+    shared_ids, shared_mask = generate_completions(model, prompts, prompt_index=prompt_index, **tok_ids)
+    assert torch.equal(shared_ids, plain_ids) and torch.equal(shared_mask, plain_mask)
+    # and log-probs scored afterwards agree with the model's view of those tokens
+    with torch.no_grad():
+        a = CompletionLogProbs(model)(prompts, shared_ids, shared_mask, prompt_index=prompt_index)
+        b = CompletionLogProbs(model)(expand_prompts(prompts, prompt_index), plain_ids, plain_mask)
+    assert torch.allclose(a, b, atol=1e-5)

@@ -48,7 +48,7 @@ def run(cfg):
 
 @pytest.mark.slow
 def test_run_writes_metrics_completions_summary_curve_and_checkpoints(assets, tmp_path):
-    run(config(assets, tmp_path, save_steps=1, save_total_limit=1,
+    run(config(assets, tmp_path, save_steps=1, save_total_limit=1, log_completions=True,
                reward_funcs=["format", "accuracy"], reward_weights=[0.5, 2.0]))
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
@@ -57,7 +57,9 @@ def test_run_writes_metrics_completions_summary_curve_and_checkpoints(assets, tm
         assert key in metrics[0], key
     assert 1 <= metrics[0]["completion_length"] <= 8
     completions = read_jsonl(tmp_path / "completions.jsonl")
-    assert completions and {"step", "prompt", "completion", "reward"} <= set(completions[0])
+    # every completion of every logged step, with TRL's table columns
+    assert len(completions) == 2 * 8 and {"step", "prompt", "completion", "reward", "advantage", "rewards"} <= set(
+        completions[0])
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["global_step"] == 2 and summary["train_runtime"] > 0 and summary["peak_memory_mb"] > 0
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
@@ -155,22 +157,35 @@ def finish(proc, timeout=600):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(assets, tmp_path):
+@pytest.mark.parametrize("variant", [
+    {},
+    # PCGrad projects the step's per-objective gradients after averaging them over the processes
+    dict(use_pcgrad="true", reward_funcs="tests.grpo_helpers:completion_length,tests.grpo_helpers:none_on_odd",
+         reward_weights="1.0,-0.5"),
+], ids=["plain", "pcgrad"])
+def test_two_processes_match_one_process(assets, tmp_path, variant):
     # Same global batch (8 completions = 2 prompts x 4), split over 1 or 2 processes.
-    one = launch(cli(assets, tmp_path / "one", per_device_train_batch_size=8), 1)
+    one = launch(cli(assets, tmp_path / "one", per_device_train_batch_size=8, **variant), 1)
     finish(one)
-    two = launch(cli(assets, tmp_path / "two", per_device_train_batch_size=4), 2)
+    two = launch(cli(assets, tmp_path / "two", per_device_train_batch_size=4, **variant), 2)
     finish(two)
     m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(m1) == len(m2) == 3
     for a, b in zip(m1, m2):
-        for key in ("reward", "reward_std", "loss", "completion_length", "clip_ratio"):
+        for key in ("reward", "reward_std", "loss", "completion_length", "clip_ratio", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert m1[-1]["grad_norm"] > 0
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path):
-    args = dict(per_device_train_batch_size=8, max_steps=6, save_steps=2, max_completion_length=16, log_completions=8)
+@pytest.mark.parametrize("variant", [
+    {},
+    # half the prompts get a constant reward: dynamic sampling drops their groups and draws more prompts
+    dict(dynamic_sampling="true", reward_funcs="tests.grpo_helpers:constant_on_even_prompts"),
+], ids=["plain", "dynamic_sampling"])
+def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path, variant):
+    args = dict(per_device_train_batch_size=8, max_steps=6, save_steps=2, max_completion_length=16,
+                log_completions="true", **variant)
     finish(launch(cli(assets, tmp_path / "full", **args), 1))
     victim = launch(cli(assets, tmp_path / "killed", **args), 1)
     deadline = time.time() + 300
@@ -190,6 +205,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path):
     for step in range(3, 7):
         for key in ("reward", "loss", "completion_length"):
             assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
+    if variant:
+        assert sum(m["resample_rounds"] for m in full.values()) > 0  # the resampling did happen
+        assert [m["resample_rounds"] for m in resumed.values()] == [m["resample_rounds"] for m in full.values()]
+
     # A random tiny model earns the same rewards whatever it is asked, so the metrics alone would not
     # notice a resume that forgot the sampler's position: the drawn prompts and completions must match too.
     def drawn(run_dir):
@@ -197,6 +216,107 @@ def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path):
         return [(r["step"], r["id"], r["prompt"], r["completion"]) for r in rows if r["step"] >= 3]
 
     assert drawn(tmp_path / "killed") == drawn(tmp_path / "full") and len(drawn(tmp_path / "full")) == 4 * 8
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_trains_only_groups_with_spread(assets, tmp_path):
+    funcs = ["tests.grpo_helpers:constant_on_even_prompts"]
+    run(config(assets, tmp_path / "plain", reward_funcs=funcs, max_steps=3, log_completions=True))
+    run(config(assets, tmp_path / "dapo", reward_funcs=funcs, max_steps=3, log_completions=True, dynamic_sampling=True,
+               max_resample_rounds=8))
+    plain, dapo = read_jsonl(tmp_path / "plain" / "metrics.jsonl"), read_jsonl(tmp_path / "dapo" / "metrics.jsonl")
+    assert sum(m["frac_reward_zero_std"] for m in plain) > 0  # some steps trained constant groups
+    for m in dapo:
+        assert m["frac_reward_zero_std"] == 0.0, m  # every trained group has spread
+        assert m["frac_zero_std_groups"] > 0 or m["resample_rounds"] == 0
+    assert sum(m["resample_rounds"] for m in dapo) > 0
+    rows = read_jsonl(tmp_path / "dapo" / "completions.jsonl")
+    assert len(rows) == 3 * 8 and all(int(r["id"].rsplit("-", 1)[1]) % 2 == 1 for r in rows)
+    # with no resample rounds allowed, the step keeps its shape: constant groups fill it (advantage 0)
+    run(config(assets, tmp_path / "capped", reward_funcs=funcs, max_steps=2, dynamic_sampling=True,
+               max_resample_rounds=0))
+    capped = read_jsonl(tmp_path / "capped" / "metrics.jsonl")
+    assert all(m["resample_rounds"] == 0 for m in capped)
+    assert [m["reward"] for m in capped] == pytest.approx([m["reward"] for m in plain[:2]])
+
+
+@pytest.mark.slow
+def test_unscorable_completions_get_zero_advantage_and_are_counted(assets, tmp_path):
+    run(config(assets, tmp_path, reward_funcs=["tests.grpo_helpers:none_on_odd"], max_steps=1, log_completions=True))
+    m = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert m["frac_unscorable"] == 0.5
+    rows = read_jsonl(tmp_path / "completions.jsonl")
+    unscorable = [r for r in rows if r["reward"] is None]
+    assert len(unscorable) == 4 and all(r["advantage"] == 0.0 for r in unscorable)
+    scored = [r for r in rows if r["reward"] is not None]
+    # the baseline is the mean of the scorable completions only: their advantages sum to 0 per group
+    by_prompt = {}
+    for r in scored:
+        by_prompt.setdefault(r["id"], []).append(r["advantage"])
+    assert all(abs(sum(a)) < 1e-4 for a in by_prompt.values())
+    assert m["reward"] == pytest.approx(sum(r["reward"] for r in scored) / len(scored), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_trl_reward_functions_train_unchanged(assets, tmp_path):
+    from datasets import load_from_disk
+
+    data = str(tmp_path / "with_solution")
+    load_from_disk(assets["data"]).map(lambda row: {"solution": row["answer"]}).save_to_disk(data)
+    funcs = ["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward"]
+    run(config(assets, tmp_path / "out", dataset_name=data, reward_funcs=funcs, max_steps=1, log_completions=True))
+    m = read_jsonl(tmp_path / "out" / "metrics.jsonl")[0]
+    assert m["rewards/trl.rewards:think_format_reward"] == 0.0  # a random model writes no <think> block
+    assert "rewards/trl.rewards:accuracy_reward" in m
+    rows = read_jsonl(tmp_path / "out" / "completions.jsonl")
+    assert {"solution", "gold_parsed", "answer_parsed"} <= set(rows[0])  # TRL's log_extra columns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disable", [True, False])
+def test_dropout_off_gives_ratio_one_on_a_first_pass(assets, tmp_path, disable):
+    """LoRA dropout 0.05 with two passes per generation round: step 3 is the first pass over round 2's fresh
+    completions, after LoRA's B matrices have moved. Old log-probs come from eval() mode and new ones from
+    train() mode, so with dropout on the ratio is not 1; with --disable_dropout it is exactly 1."""
+    run(config(assets, tmp_path, use_peft=True, lora_r=4, lora_dropout=0.05, num_iterations=2, max_steps=4,
+               save_steps=2, disable_dropout=disable, learning_rate=5e-3,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    if disable:
+        assert metrics[0]["ratio_max_dev"] < 1e-5 and metrics[2]["ratio_max_dev"] < 1e-5, metrics
+    else:
+        assert metrics[2]["ratio_max_dev"] > 1e-4, metrics
+
+
+@pytest.mark.slow
+def test_pcgrad_does_not_depend_on_the_micro_batch_split(assets, tmp_path):
+    """GA 2 x 4 completions draws the same prompts and samples as GA 1 x 8; projecting the step's gradients (not
+    each micro-batch's) makes the updates equal too."""
+    common = dict(use_pcgrad=True, max_steps=2, reward_weights=[1.0, -0.5], loss_type="grpo",
+                  reward_funcs=["tests.grpo_helpers:completion_length", "tests.grpo_helpers:none_on_odd"])
+    run(config(assets, tmp_path / "one", per_device_train_batch_size=8, **common))
+    run(config(assets, tmp_path / "two", per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
+    a, b = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "reward", "completion_length"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (x["step"], key)
+
+
+@pytest.mark.slow
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(assets, tmp_path):
+    # 3 tokens: a random model almost never stops that soon, so nearly every completion is cut
+    run(config(assets, tmp_path / "masked", max_completion_length=3, mask_truncated_completions=True, max_steps=1,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    run(config(assets, tmp_path / "plain", max_completion_length=3, max_steps=1,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    masked = read_jsonl(tmp_path / "masked" / "metrics.jsonl")[0]
+    plain = read_jsonl(tmp_path / "plain" / "metrics.jsonl")[0]
+    assert masked["completions/clipped_ratio"] == plain["completions/clipped_ratio"] > 0.5
+    assert plain["grad_norm"] > 0
+    if masked["completions/clipped_ratio"] == 1.0:
+        assert masked["loss"] == 0.0 and masked["grad_norm"] == 0.0
+    else:
+        assert masked["grad_norm"] < plain["grad_norm"]
 
 
 def multi_image_rows(tmp_path, question_suffix=""):

@@ -34,6 +34,8 @@ import PIL.Image
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from utils.errors import InputError
+
 STANDARD_VQA_COLUMNS = ("id", "image", "question", "answer", "reference_steps", "choices", "difficulty", "source")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 SPLIT_WORDS = ("train", "test", "validation", "val", "dev", "eval")
@@ -43,7 +45,7 @@ SHAREGPT_ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system",
 IMAGE_MARKER = "<image>"
 
 
-class DataValidationError(ValueError):
+class DataValidationError(InputError):
     """Bad input data; the message names the file, the row and the column at fault."""
 
 
@@ -153,8 +155,9 @@ def _open(name_or_path, split: str = "train") -> tuple[datasets.Dataset, _Source
     except Exception as error:
         raise DataValidationError(
             f"{name}: not a local file or folder, and loading it from the Hugging Face Hub failed "
-            f"({type(error).__name__}: {error}). Check the name and split, the network and "
-            f"HF_DATASETS_OFFLINE, or pass a save_to_disk folder or a .json/.jsonl/.parquet file."
+            f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}). Check the name and split, the "
+            f"network and HF_DATASETS_OFFLINE (a gated data set also needs its terms accepted on the hub and "
+            f"`hf auth login`), or pass a save_to_disk folder or a .json/.jsonl/.parquet file."
         ) from error
     return table, _Source(name, None)
 
@@ -366,7 +369,8 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     and not required), choices (list[str] or None), difficulty, source (None when absent), followed
     by any other columns of the input.
 
-    choices_column=None picks 'choices', else 'options', when present. Steps given as a JSON string
+    choices_column=None reads 'choices' and 'options' when present, row by row: a row's non-empty 'choices', else
+    its 'options' (the CRYSTAL data set has both columns, and its scripts read them so). Steps given as a JSON string
     or as one step per line are accepted. Images may be stored images or paths (see module doc)."""
     table, source = _open(name_or_path, split)
     required = {question_column: "--question_column", answer_column: "--answer_column"}
@@ -379,8 +383,8 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     if id_column is not None:
         required[id_column] = "--id_column"
     _require_columns(table, source, required)
-    if choices_column is None:
-        choices_column = next((c for c in ("choices", "options") if c in table.column_names), None)
+    choice_columns = ([choices_column] if choices_column is not None
+                      else [c for c in ("choices", "options") if c in table.column_names])
 
     images, many = None, False
     if image_column is not None:
@@ -393,12 +397,15 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     answers = [_text(source, i, answer_column, v) for i, v in enumerate(table[answer_column])]
     steps = ([_steps(source, i, steps_column, v, require_steps) for i, v in enumerate(table[steps_column])]
              if steps_column in columns else [[] for _ in range(len(table))])
-    choices = []
-    for i, value in enumerate(table[choices_column] if choices_column else [None] * len(table)):
-        try:
-            choices.append(normalise_choices(value))
-        except ValueError as error:
-            source.fail(i, choices_column, str(error))
+    choices = [None] * len(table)
+    for column in choice_columns:  # the first column with options for a row wins
+        for i, value in enumerate(table[column]):
+            try:
+                value = normalise_choices(value)
+            except ValueError as error:
+                source.fail(i, column, str(error))
+            if choices[i] is None and value:
+                choices[i] = value
     id_column = id_column or ("id" if "id" in columns else None)
     ids = ([_text(source, i, id_column, v) for i, v in enumerate(table[id_column])] if id_column
            else [str(i) for i in range(len(table))])
@@ -414,7 +421,7 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
                 "answer": datasets.Value("string"), "reference_steps": datasets.List(datasets.Value("string")),
                 "choices": datasets.List(datasets.Value("string")), "difficulty": datasets.Value("string"),
                 "source": datasets.Value("string")}
-    drop = [c for c in (question_column, answer_column, steps_column, choices_column, id_column,
+    drop = [c for c in (question_column, answer_column, steps_column, *choice_columns, id_column,
                         difficulty_column, source_column) if c]
     if images is not None:  # paths, or a one-image list: rewrite as one Image column
         new = {"image": images, **new}

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from utils.errors import InputError
+
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Attribute names under which transformers' VLMs keep their vision encoder, and the names of the
@@ -15,7 +17,7 @@ VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder
 PROJECTOR_MODULE_NAMES = ("merger", "multi_modal_projector", "mm_projector", "connector")
 
 
-class ModelLoadError(OSError):
+class ModelLoadError(OSError, InputError):
     """A model path that is neither a usable local folder nor a reachable hub repository."""
 
 
@@ -222,3 +224,20 @@ def prepare_for_training(model, cfg):
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
     return model
+
+
+def disable_dropout(model):
+    """Dropout off everywhere (TRL's `disable_dropout`): every `nn.Dropout` gets p = 0, LoRA's included, and so
+    do the float `*dropout` rates that attention layers apply inside their kernels (`attention_dropout`).
+    Then log-probs are the same in train() and eval() mode, so the importance ratio is exactly 1 on a first
+    pass. Returns the number of modules changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p = 0.0
+            changed += 1
+        for name, value in list(vars(module).items()):
+            if name.endswith("dropout") and isinstance(value, float) and value:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed

@@ -13,6 +13,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from utils.errors import InputError
+
 # Chat templates end an assistant turn with one of these; generation must stop there too.
 END_OF_TURN_TOKENS = ("<|im_end|>",)
 
@@ -111,7 +113,7 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
     kwargs = dict(text=texts, return_tensors="pt", padding=True)
     if has_images:
         if tokenizer is processor:
-            raise ValueError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
+            raise InputError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
         kwargs["images"] = [list(imgs) for imgs in images]
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -125,7 +127,7 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
         lengths = batch["attention_mask"].sum(-1)
         for sid, length in zip(sample_ids, lengths.tolist()):
             if length > max_prompt_length:
-                raise ValueError(
+                raise InputError(
                     f"sample {sid!r}: prompt is {length} tokens (images included), over "
                     f"--max_prompt_length {max_prompt_length}; raise the flag or lower --max_pixels"
                 )
@@ -139,7 +141,7 @@ def raise_for_sample(processor, sample_ids, texts, images, err):
         try:
             processor(text=[text], **({"images": [list(imgs)]} if imgs else {}))
         except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
-            raise ValueError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
+            raise InputError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
     raise err
 
 
@@ -176,13 +178,20 @@ def unwrap_for_generation(model, accelerator):
 
 @torch.no_grad()
 def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature, top_k=None, top_p=None,
-                         eos_token_id, pad_token_id, suppress_token_ids=()):
+                         eos_token_id, pad_token_id, suppress_token_ids=(), prompt_index=None):
     """Sample one completion per row; returns (completion_ids [B, L], completion_mask [B, L]).
 
     The mask covers tokens up to and including the first EOS; rows are padded with pad_token_id.
     `suppress_token_ids` (image placeholders, role markers) are never sampled: an image token inside
     a completion would not match any image features when the completion is scored.
+
+    With `prompt_index` ([B], the row of `batch` each completion continues), `batch` holds each distinct prompt
+    once: its prefill (vision tower included) runs once and the KV cache is shared by its completions, as in the
+    training pass (`utils.logprobs`). Only for models `can_share_prompts` accepts.
     """
+    cache = None
+    if prompt_index is not None:
+        batch, cache = _shared_prefill(model, batch, prompt_index)
     prompt_length = batch["input_ids"].shape[1]
     sampler = GumbelSampler(row_seeds, prompt_length, temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=max_new_tokens)
@@ -191,9 +200,29 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
         pad_token_id=pad_token_id, temperature=None, top_k=None, top_p=None,
         suppress_tokens=list(suppress_token_ids) or None,
     )
-    out = model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+    out = model.generate(**batch, **({"cache": cache} if cache is not None else {}), generation_config=config,
+                         logits_processor=LogitsProcessorList([sampler]))
     completion = out[:, prompt_length:]
     return completion, completion_mask(completion, eos_token_id)
+
+
+def _shared_prefill(model, prompts, prompt_index):
+    """Each distinct prompt's prefill once, all but its last token (left padding: the last column is every row's
+    last token); the KV cache is then index-selected to the completions, which `generate` continues from their
+    full prompt ids (it runs only the uncached last token). Qwen-VL's rope offsets follow the selection."""
+    from transformers import DynamicCache
+
+    ids = prompts["input_ids"]
+    idx = torch.as_tensor(prompt_index, device=ids.device)
+    per_token = {k for k, v in prompts.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == ids.shape}
+    inputs = {k: (v[:, :-1] if k in per_token else v) for k, v in prompts.items()}
+    cache = DynamicCache(config=model.config)
+    model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(idx)
+    core = getattr(model, "model", None)
+    if getattr(core, "rope_deltas", None) is not None:
+        core.rope_deltas = core.rope_deltas[idx]
+    return {"input_ids": ids[idx], "attention_mask": prompts["attention_mask"][idx]}, cache
 
 
 def stop_token_ids(model, tokenizer):
@@ -226,3 +255,9 @@ def completion_mask(completion_ids, eos_token_id):
         is_eos |= completion_ids == e
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     return (~after_eos).long()
+
+
+def truncated_completions(completion_ids, completion_mask, stop_ids):
+    """[B] True for completions that end without a stop token (cut at --max_completion_length)."""
+    last = completion_ids.gather(1, (completion_mask.sum(-1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+    return ~torch.isin(last, torch.tensor(stop_ids, device=completion_ids.device))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from utils.config import ConfigError
+
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 SUMMARY_FILE = "train_summary.json"
@@ -48,10 +50,10 @@ def tracker_list(report_to) -> list[str]:
     result = []
     for name in names:
         if name not in KNOWN_TRACKERS:
-            raise ValueError(f"--report_to: unknown tracker {name!r}; choose from "
+            raise ConfigError(f"--report_to: unknown tracker {name!r}; choose from "
                              f"{', '.join(KNOWN_TRACKERS + ('all', 'none'))}")
         if not _tracker_installed(name):
-            raise ValueError(f"--report_to {name}: the {name!r} package is not installed "
+            raise ConfigError(f"--report_to {name}: the {name!r} package is not installed "
                              f"(pip install {name}), or pass --report_to none")
         if name not in result:
             result.append(name)

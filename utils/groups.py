@@ -1,0 +1,45 @@
+"""GRPO groups after scoring: the weighted reward per completion, which groups have reward spread, and DAPO's
+dynamic-sampling choice of groups to train on (train_grpo.py's --dynamic_sampling, docs/grpo.md)."""
+
+import math
+
+import torch
+
+
+def weighted_rewards(rewards, reward_weights):
+    """Weighted reward per completion [N]; NaN for an unscorable completion (every reward None)."""
+    total = (rewards.nan_to_num(0.0) * reward_weights).sum(-1)
+    return total.masked_fill(rewards.isnan().all(-1), float("nan"))
+
+
+def has_spread(rewards, reward_weights, G, per_objective=False):
+    """[groups] True where a group's scorable weighted rewards differ (per reward function too under PCGrad)."""
+    columns = [weighted_rewards(rewards, reward_weights)]
+    if per_objective:
+        columns += [rewards[:, j] * w for j, w in enumerate(reward_weights.tolist()) if w]
+    spread = torch.zeros(rewards.shape[0] // G, dtype=torch.bool)
+    for col in columns:
+        grouped = col.view(-1, G)
+        present = ~grouped.isnan()
+        high = grouped.nan_to_num(-math.inf).max(-1).values
+        low = grouped.nan_to_num(math.inf).min(-1).values
+        spread |= (present.sum(-1) >= 2) & (high - low > 1e-6 * high.abs().clamp(min=1.0))
+    return spread
+
+
+def split_groups(generated, G, reward_weights, per_objective):
+    """Every group of the generated micro-batches, in order: prompt, token ids, rewards and whether it varies."""
+    groups = []
+    for mb in generated:
+        spread = has_spread(mb["rewards"], reward_weights, G, per_objective)
+        for g, prompt in enumerate(mb["prompt_rows"]):
+            groups.append(dict(prompt=prompt, token_ids=mb["all_token_ids"][g * G:(g + 1) * G],
+                               rewards=mb["rewards"][g * G:(g + 1) * G], spread=bool(spread[g])))
+    return groups
+
+
+def choose_groups(groups, needed):
+    """The first `needed` groups with spread; when the resample rounds ran out, groups without spread fill the rest
+    (their advantages are 0, as in plain GRPO)."""
+    kept = [g for g in groups if g["spread"]][:needed]
+    return kept + [g for g in groups if not g["spread"]][:needed - len(kept)]
