@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, gather_object, set_seed
 from transformers import get_scheduler
 
 from rewards import get_reward
@@ -52,6 +52,9 @@ TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
 DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif")
 REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
 THINK_RE = re.compile(r"^\s*<think>(.*?\S.*?)</think>", re.S)
+NO_EDIT = "no further edit needed"
+REFLECT_PROMPT = ("This image was drawn for: {prompt}\nThink inside <think> </think> about whether it shows exactly "
+                  f"that. Then write one edit instruction that fixes it, or write \"{NO_EDIT}\".")
 REASON_PROMPT = ("Think about how to draw the image below inside <think> </think>: which objects, how many, "
                  "their colours and where they go. Then stop.\nImage: {prompt}")
 
@@ -110,6 +113,15 @@ class MixGRPOConfig:
     cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
     negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
     timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
+    # reflect + refine (odd steps)
+    reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
+    max_output_token_n_edit: int = 256  # max tokens of the reflection + edit instruction
+    num_timesteps_edit: int = 20  # flow steps of the refine stage's image
+    enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
+    max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
+    noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
+    cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
+    perfect_buffer_prob: float = 0.15  # a reflect step draws from the perfect (score 1) pool with this probability
     # loss
     ce_weight: float = 1.0  # weight of the text part
     mse_weight: float = 2.0  # weight of the image part
@@ -171,6 +183,11 @@ def validate(cfg, num_processes):
         raise ValueError("--tune_text_cot and --tune_image_cot are both off: nothing to train")
     if cfg.tune_image_cot and not cfg.enable_sde_gen:
         raise ValueError("--tune_image_cot needs --enable_sde_gen (ODE images carry no log-prob to train)")
+    if cfg.reflect_refine and not 1 <= cfg.max_sde_timestep_idx_for_edit <= cfg.num_timesteps_edit:
+        raise ValueError(f"--max_sde_timestep_idx_for_edit {cfg.max_sde_timestep_idx_for_edit} must lie in [1, "
+                         f"--num_timesteps_edit {cfg.num_timesteps_edit}]")
+    if not 0 <= cfg.perfect_buffer_prob <= 1:
+        raise ValueError(f"--perfect_buffer_prob {cfg.perfect_buffer_prob} must lie in [0, 1]")
     if cfg.generator_lora_r < 1:
         raise ValueError("--generator_lora_r must be >= 1 (full fine-tuning of the generator is not supported yet)")
     if cfg.conditioning == "policy" and num_processes > 1:
@@ -251,6 +268,25 @@ def reason_rewards(scores, formats, format_weight):
     return scores * formats + format_weight * formats, scores.clone()
 
 
+def reflection_of(text):
+    """(format 0/1: non-empty text after </think>, the edit instruction, whether it says no further edit is needed).
+    Without a well-formed reflection the whole text is the instruction and the image is refined."""
+    _, closed, tail = text.partition("</think>")
+    instruction = tail.strip()
+    if not (closed and instruction):
+        return 0.0, text.strip(), False
+    return 1.0, instruction, NO_EDIT in instruction.lower()
+
+
+def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
+    """Reflect stage: improvement = score_new - score_prev, or 1 when score_prev = 1 and the edit says no further
+    edit is needed; text reward = w_fmt * fmt + improvement * fmt; image reward = score_new."""
+    new, prev = torch.as_tensor(scores_new, dtype=torch.float32), torch.as_tensor(scores_prev, dtype=torch.float32)
+    fmt, keep = torch.as_tensor(formats, dtype=torch.float32), torch.as_tensor(no_edit, dtype=torch.bool)
+    improvement = torch.where(keep & (prev >= 1.0), torch.ones_like(new), new - prev)
+    return format_weight * fmt + improvement * fmt, new.clone()
+
+
 def group_advantages(rewards, group_size, scale=False):
     """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale."""
     r = rewards.view(-1, group_size)
@@ -269,61 +305,149 @@ def torch_generators(seeds, device):
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds.tolist()]
 
 
-# ---- one reason-stage rollout for this process ----
+# ---- rollouts for this process: text, then images ----
 
 
-def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
-                   suppress_ids, reward_fn):
-    """Text then image for this process's share of each of its prompts. prompt_ids: the global prompt indices of
-    this policy group's prompts; the rollout index of member j of this process is prompt * G + offset + j."""
-    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
-    dev = accelerator.device
+def text_rollout(cfg, step, global_ids, messages, images, max_new_tokens, *, policy, processor, accelerator,
+                 stop_ids, suppress_ids, sample_ids):
+    """Sample one completion per message (counter-based seeds per rollout) and its behaviour log-probs at the
+    sampling temperature (R3 took them from the untempered softmax)."""
     tokenizer = processor.tokenizer
-    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
-    local_rows = [rows[k] for k in range(len(prompt_ids)) for _ in range(per)]
-    messages = [[{"role": "user", "content": [{"type": "text", "text": REASON_PROMPT.format(prompt=r["prompt"])}]}]
-                for r in local_rows]
-    batch = encode_prompts(processor, messages, [[] for _ in local_rows],
-                           sample_ids=[f"{r['prompt']!r}" for r in local_rows],
-                           max_prompt_length=cfg.max_prompt_length).to(dev)
+    batch = encode_prompts(processor, messages, images, sample_ids=sample_ids,
+                           max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
     with unwrap_for_generation(policy, accelerator) as unwrapped:
         ids, mask = generate_completions(unwrapped.model, batch, row_seeds=seeds_for(cfg.seed, 0, step, global_ids),
-                                         max_new_tokens=cfg.max_output_token_n_gen, temperature=cfg.temperature,
+                                         max_new_tokens=max_new_tokens, temperature=cfg.temperature,
                                          eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
                                          suppress_token_ids=suppress_ids)
     texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
-    parsed = [reasoning_of(t) for t in texts]
-    image_prompts = [f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(local_rows, parsed)]
-    cond = gen.encode_condition(image_prompts, height=cfg.image_size, width=cfg.image_size,
-                                negative_prompt=cfg.negative_prompt)
-    guidance = Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval))
+    with torch.no_grad():
+        old_logps = policy(batch, ids, mask, cfg.temperature)
+    return dict(batch=batch, ids=ids, mask=mask, texts=texts, old_logps=old_logps, global_ids=global_ids)
+
+
+def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
+                  noise_level, guidance):
+    """Images for each prompt's share: the group shares the initial noise and one SDE step index (uniform in
+    [0, sde_range)), each rollout has its own SDE noise; every other step is ODE. Returns (PIL images, steps,
+    SDE step index per image)."""
+    per = cfg.group_size // cfg.policy_group_size
     images, steps, sde_index = [], [], []
-    for k, q in enumerate(prompt_ids):  # one prompt's share: shared noise and SDE step index, own SDE noise
+    for k, q in enumerate(prompt_ids):
         part = torch.arange(k * per, (k + 1) * per)
-        noise_gen = torch.Generator(device=dev).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
+        noise_gen = torch.Generator(device=device).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
         noise = gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen).repeat(per, 1, 1)
         pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 2, step, [q])[0]))
-        index = int(torch.randint(0, cfg.num_timesteps_gen - 1, (1,), generator=pick))
-        out = sample(gen, cond.select(part), num_steps=cfg.num_timesteps_gen,
-                     sde_steps=[index] if cfg.enable_sde_gen else [], guidance=guidance,
-                     noise_level=cfg.noise_level_gen, noise_cap=cfg.noise_cap, shift=cfg.timestep_shift,
-                     generator=torch_generators(seeds_for(cfg.seed, 3, step, global_ids[k * per:(k + 1) * per]), dev),
+        index = int(torch.randint(0, sde_range, (1,), generator=pick))
+        out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=[index] if enable_sde else [],
+                     guidance=guidance, noise_level=noise_level, noise_cap=cfg.noise_cap, shift=cfg.timestep_shift,
+                     generator=torch_generators(seeds_for(cfg.seed, 3, step, global_ids[k * per:(k + 1) * per]),
+                                                device),
                      latents=noise, output_type="pil")
         images += out.images
         steps += out.steps
         sde_index += [index] * per
-    columns = {key: [r.get(key) for r in local_rows] for key in sorted({k for r in local_rows for k in r})}
+    return images, (SDEStep.cat(steps) if steps else None), torch.tensor(sde_index, dtype=torch.float32)
+
+
+def score_images(cfg, reward_fn, texts, images, rows):
+    """The image reward per image; a reward that returns no score is an error, never a 0."""
+    columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
     scores = reward_fn(texts, images=images, **columns)
     missing = [i for i, s in enumerate(scores) if s is None]
     if missing:
-        raise RuntimeError(f"reward {cfg.reward_fn} returned no score for prompt {local_rows[missing[0]]['prompt']!r}")
-    with torch.no_grad():
-        old_logps = policy(batch, ids, mask, cfg.temperature)  # the behaviour policy at the sampling temperature
-    return dict(batch=batch, ids=ids, mask=mask, texts=texts, images=images, cond=cond.detach(),
-                steps=SDEStep.cat(steps) if steps else None, old_logps=old_logps, global_ids=global_ids,
-                scores=torch.tensor(scores, dtype=torch.float32), formats=torch.tensor([f for f, _ in parsed]),
-                sde_index=torch.tensor(sde_index, dtype=torch.float32), image_prompts=image_prompts,
-                rows=local_rows)
+        raise RuntimeError(f"reward {cfg.reward_fn} returned no score for prompt {rows[missing[0]]['prompt']!r}")
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def user_message(text, with_image=False):
+    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
+                   suppress_ids, reward_fn):
+    """Reason stage for this process's share of each of its prompts: reasoning, then an image conditioned on the
+    prompt + reasoning. prompt_ids: global prompt slots; rollout j of this process is prompt * G + offset + j."""
+    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
+    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+    local_rows = [rows[k] for k in range(len(prompt_ids)) for _ in range(per)]
+    roll = text_rollout(cfg, step, global_ids, [user_message(REASON_PROMPT.format(prompt=r["prompt"]))
+                                                for r in local_rows],
+                        [[] for _ in local_rows], cfg.max_output_token_n_gen, policy=policy, processor=processor,
+                        accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
+                        sample_ids=[repr(r["prompt"]) for r in local_rows])
+    parsed = [reasoning_of(t) for t in roll["texts"]]
+    image_prompts = [f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(local_rows, parsed)]
+    cond = gen.encode_condition(image_prompts, height=cfg.image_size, width=cfg.image_size,
+                                negative_prompt=cfg.negative_prompt)
+    images, steps, sde_index = image_rollout(
+        cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
+        sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
+        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)))
+    scores = score_images(cfg, reward_fn, roll["texts"], images, local_rows)
+    formats = torch.tensor([f for f, _ in parsed])
+    text_r, image_r = reason_rewards(scores, formats, cfg.format_weight)
+    return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
+                sde_index=sde_index, rows=local_rows, text_rewards=text_r, image_rewards=image_r,
+                image_mask=torch.ones(len(images)))
+
+
+def build_buffer(accelerator, roll):
+    """The reason step's (metadata, score, image) entries of all processes, in rollout order, split into the
+    perfect (score 1) and imperfect pools. Every process holds the same buffer."""
+    entries = [dict(id=int(i), row=r, score=float(s), image=im)
+               for i, r, s, im in zip(roll["global_ids"], roll["rows"], roll["scores"], roll["images"])]
+    gathered = sorted((e for part in gather_object([entries]) for e in part), key=lambda e: e["id"])
+    return dict(perfect=[e for e in gathered if e["score"] >= 1.0], imperfect=[e for e in gathered if e["score"] < 1.0])
+
+
+def draw_entry(buffer, cfg, step, slot):
+    """One buffer entry for a policy group's prompt slot: the perfect pool with probability
+    --perfect_buffer_prob, else the imperfect one (the other pool when one is empty); seeded by (seed, step, slot)."""
+    rng = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 4, step, [slot])[0]))
+    perfect = bool(torch.rand(1, generator=rng) < cfg.perfect_buffer_prob)
+    pool = buffer["perfect"] if (perfect and buffer["perfect"]) or not buffer["imperfect"] else buffer["imperfect"]
+    return pool[int(torch.randint(len(pool), (1,), generator=rng))]
+
+
+def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
+                    suppress_ids, reward_fn):
+    """Reflect + refine for this process's share: the VLM sees a buffered image and writes a reflection and an edit
+    instruction (or "no further edit needed"); the generator refines the image through its image-conditioned path.
+    With no edit the output is the input image, its score is kept and its image advantage is 0."""
+    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
+    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+    entries = [draw_entry(buffer, cfg, step, q) for q in prompt_ids]
+    local = [entries[k] for k in range(len(prompt_ids)) for _ in range(per)]
+    rows = [e["row"] for e in local]
+    roll = text_rollout(cfg, step, global_ids, [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True)
+                                                for r in rows],
+                        [[e["image"]] for e in local], cfg.max_output_token_n_edit, policy=policy, processor=processor,
+                        accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
+                        sample_ids=[f"buffer entry {e['id']}" for e in local])
+    parsed = [reflection_of(t) for t in roll["texts"]]
+    cond = gen.encode_condition([f"{r['prompt']}\n{instruction}" for r, (_, instruction, _) in zip(rows, parsed)],
+                                images=[e["image"] for e in local], height=cfg.image_size, width=cfg.image_size,
+                                negative_prompt=cfg.negative_prompt)
+    images, steps, sde_index = image_rollout(
+        cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
+        num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
+        enable_sde=cfg.enable_sde_edit, noise_level=cfg.noise_level_edit,
+        guidance=Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval)))
+    no_edit = torch.tensor([keep for _, _, keep in parsed])
+    images = [e["image"] if keep else im for e, im, keep in zip(local, images, no_edit.tolist())]
+    prev = torch.tensor([e["score"] for e in local])
+    scores = prev.clone()
+    edited = [i for i, keep in enumerate(no_edit.tolist()) if not keep]
+    if edited:
+        scores[edited] = score_images(cfg, reward_fn, [roll["texts"][i] for i in edited], [images[i] for i in edited],
+                                      [rows[i] for i in edited])
+    formats = torch.tensor([f for f, _, _ in parsed])
+    text_r, image_r = reflect_rewards(scores, prev, formats, no_edit, cfg.format_weight)
+    return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
+                sde_index=sde_index, rows=rows, text_rewards=text_r, image_rewards=image_r,
+                image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
 
 
 def gather_by_index(accelerator, values, global_ids, total):
@@ -362,6 +486,7 @@ def build_policy(cfg, vlm_path, gen_path, device):
     if cfg.gradient_checkpointing:
         gen.enable_gradient_checkpointing()
     gen.cfg_batched = True  # one transformer forward per backward (DDP) for both CFG branches
+    gen.edit_area = cfg.image_size ** 2  # refine at the generated size (the edit pipeline's own: 1024 x 1024)
     return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
 
 
@@ -379,25 +504,27 @@ def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_
         loss = loss + cfg.ce_weight * text_loss
         stats.update(loss_text=text_loss.detach(), kl_text=st["kl"], clip_ratio_text=st["clip_ratio"],
                      ratio_max_dev_text=st["ratio_max_dev"])
-    if cfg.tune_image_cot:
+    if cfg.tune_image_cot and roll["steps"] is not None:
         steps = roll["steps"]
         logp, mean, std = image_logprobs(gen, roll["cond"], steps)
-        ones = torch.ones_like(logp)[:, None]
+        ones = roll["image_mask"].to(logp)[:, None]  # refine samples without an edit are not trained
         n = torch.tensor(float(n_images), device=logp.device)
         surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv_image, ones,
                                             epsilon_low=cfg.clip_range_image, loss_type="dapo",
                                             num_items_in_batch=n, num_processes=world)
-        kl = image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)
+        kl = (image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)) * ones[:, 0]
         image_loss = surrogate + cfg.kl_weight_image * kl.sum() / (n / world)
         loss = loss + cfg.mse_weight * image_loss
-        stats.update(loss_image=image_loss.detach(), kl_image=kl.detach().mean(), clip_ratio_image=st["clip_ratio"],
-                     ratio_max_dev_image=st["ratio_max_dev"])
+        stats.update(loss_image=image_loss.detach(), kl_image=kl.detach().sum() / ones.sum().clamp(min=1),
+                     clip_ratio_image=st["clip_ratio"], ratio_max_dev_image=st["ratio_max_dev"])
     return loss, stats
 
 
 def main(cfg: MixGRPOConfig):
+    # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no",
-                              log_with=_trackers(cfg.report_to), project_dir=cfg.output_dir)
+                              log_with=_trackers(cfg.report_to), project_dir=cfg.output_dir,
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     validate(cfg, accelerator.num_processes)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
@@ -444,11 +571,13 @@ def main(cfg: MixGRPOConfig):
                   if cfg.kl_weight_text and cfg.tune_text_cot else None)
 
     # ---- resume ----
-    global_step, state = 0, {}
+    global_step, state, buffer = 0, {}, None
     resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path)
         global_step = state["global_step"]
+        if os.path.isfile(os.path.join(resume_path, "reflect_buffer", "buffer.pt")):  # the next step reflects on it
+            buffer = torch.load(os.path.join(resume_path, "reflect_buffer", "buffer.pt"), weights_only=False)
         accelerator.print(f"resumed from {resume_path} at step {global_step}")
     sampler = SeededSampler(len(train_rows), seed=cfg.seed)
     if state:
@@ -475,26 +604,31 @@ def main(cfg: MixGRPOConfig):
 
     while global_step < cfg.max_steps:
         t_step = time.perf_counter()
-        # ---- 1. rollout: this process's share of its policy group's prompts ----
-        prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+        # ---- 1. rollout: even steps reason, odd steps reflect on a buffered image and refine it ----
+        stage = "reflect" if cfg.reflect_refine and global_step % 2 == 1 else "reason"
         mine = list(range(group * K, (group + 1) * K))  # global prompt slots of this policy group
+        common = dict(rank_in_group=member, policy=policy, processor=processor, gen=gen, accelerator=accelerator,
+                      stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn)
         policy.eval()
-        roll = reason_rollout(cfg, global_step, mine, [train_rows[prompt_idx[q]] for q in mine],
-                              rank_in_group=member, policy=policy, processor=processor, gen=gen,
-                              accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
-                              reward_fn=reward_fn)
+        if stage == "reason":
+            prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+            roll = reason_rollout(cfg, global_step, mine, [train_rows[prompt_idx[q]] for q in mine], **common)
+            if cfg.reflect_refine:
+                buffer = build_buffer(accelerator, roll)
+        else:
+            roll = reflect_rollout(cfg, global_step, mine, buffer, **common)
 
         # ---- 2. rewards and advantages over whole policy groups (gathered across processes) ----
-        text_r, image_r = reason_rewards(roll["scores"], roll["formats"], cfg.format_weight)
-        all_text = gather_by_index(accelerator, text_r, roll["global_ids"], total)
-        all_image = gather_by_index(accelerator, image_r, roll["global_ids"], total)
+        all_text = gather_by_index(accelerator, roll["text_rewards"], roll["global_ids"], total)
+        all_image = gather_by_index(accelerator, roll["image_rewards"], roll["global_ids"], total)
         local = torch.tensor(roll["global_ids"])
         adv_text = group_advantages(all_text, G, cfg.scale_advantages)[local].to(accelerator.device)
-        adv_image = group_advantages(all_image, G, cfg.scale_advantages)[local].to(accelerator.device)
+        adv_image = (group_advantages(all_image, G, cfg.scale_advantages)[local] * roll["image_mask"]).to(
+            accelerator.device)  # no edit: advantage 0
         with torch.no_grad():
             ref_logps = ref_policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if ref_policy else None
             ref_mean = (image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
-                        if cfg.tune_image_cot and cfg.kl_weight_image else None)
+                        if cfg.tune_image_cot and cfg.kl_weight_image and roll["steps"] is not None else None)
         text_tokens = accelerator.reduce(roll["mask"].sum().float(), "sum")
 
         # ---- 3. one optimizer step on both parts ----
@@ -513,22 +647,30 @@ def main(cfg: MixGRPOConfig):
         if global_step % cfg.logging_steps == 0 or global_step == cfg.max_steps:
             fmt = gather_by_index(accelerator, roll["formats"], roll["global_ids"], total)
             scores = gather_by_index(accelerator, roll["scores"], roll["global_ids"], total)
-            metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(), "reason/text_reward": all_text.mean(),
-                       "reason/image_reward": all_image.mean(), "reason/score": scores.mean(),
-                       "reason/format": fmt.mean(),
-                       "reason/text_advantage_abs": group_advantages(all_text, G, cfg.scale_advantages).abs().mean(),
-                       "reason/image_advantage_abs": group_advantages(all_image, G, cfg.scale_advantages).abs().mean(),
-                       "reason/completion_length": accelerator.gather(roll["mask"].sum(-1)).float().mean(),
-                       "reason/sde_step": roll["sde_index"].mean(),
+            metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(),
+                       f"{stage}/text_reward": all_text.mean(),
+                       f"{stage}/image_reward": all_image.mean(), f"{stage}/score": scores.mean(),
+                       f"{stage}/format": fmt.mean(),
+                       f"{stage}/text_advantage_abs": group_advantages(all_text, G, cfg.scale_advantages).abs().mean(),
+                       f"{stage}/image_advantage_abs": gather_by_index(accelerator, adv_image, roll["global_ids"],
+                                                                        total).abs().mean(),
+                       f"{stage}/completion_length": accelerator.gather(roll["mask"].sum(-1)).float().mean(),
+                       f"{stage}/sde_step": roll["sde_index"].mean(),
                        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                        "learning_rate": scheduler.get_last_lr()[0], "step_time": time.perf_counter() - t_step}
+            if stage == "reflect":
+                metrics["reflect/no_edit"] = gather_by_index(accelerator, roll["no_edit"], roll["global_ids"],
+                                                             total).mean()
+                metrics["reflect/improvement"] = (scores - gather_by_index(
+                    accelerator, roll["score_prev"], roll["global_ids"], total)).mean()
             for k, v in stats.items():
                 reduced = accelerator.reduce(v.float(), "max" if k.startswith("ratio_max_dev") else "mean")
-                metrics[f"reason/{k}"] = reduced.item()
+                metrics[f"{stage}/{k}"] = reduced.item()
             logger.log(global_step, metrics)
             logger.log_completions(global_step, [
-                dict(id=int(i), prompt=r["prompt"], completion=t, score=float(s), text_reward=float(tr))
-                for i, r, t, s, tr in zip(roll["global_ids"], roll["rows"], roll["texts"], roll["scores"], text_r)
+                dict(id=int(i), stage=stage, prompt=r["prompt"], completion=t, score=float(s), text_reward=float(tr))
+                for i, r, t, s, tr in zip(roll["global_ids"], roll["rows"], roll["texts"], roll["scores"],
+                                          roll["text_rewards"])
             ][: cfg.log_completions])
         if val_rows is not None and cfg.eval_steps and global_step % cfg.eval_steps == 0 \
                 and global_step < cfg.max_steps:
@@ -541,7 +683,8 @@ def main(cfg: MixGRPOConfig):
                 accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
                 extra_state=dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before),
                 save_total_limit=cfg.save_total_limit,
-                extra_saves={"generator_lora": unwrapped_gen.save_lora_adapter})
+                extra_saves={"generator_lora": unwrapped_gen.save_lora_adapter,
+                             **({"reflect_buffer": lambda d: save_buffer(buffer, d)} if buffer is not None else {})})
             if uploader:
                 uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics,
                               base_model=f"{vlm_path} + {gen_path}", script="train_mixgrpo.py")
@@ -562,6 +705,13 @@ def main(cfg: MixGRPOConfig):
             uploader.wait()
     accelerator.end_training()
     return dict(policy=policy, gen=gen)
+
+
+def save_buffer(buffer, folder):
+    """The reflect buffer (metadata, score, PIL image per entry), so that a run resumed before a reflect step
+    reflects on the same images."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save(buffer, os.path.join(folder, "buffer.pt"))
 
 
 def _trackers(report_to):

@@ -43,6 +43,44 @@ def test_reasoning_format(text, fmt, reasoning):
     assert tm.reasoning_of(text) == (fmt, reasoning)
 
 
+# score_new, score_prev, fmt, no_edit, w -> text reward, image reward
+@pytest.mark.parametrize("new, prev, fmt, no_edit, w, text, image", [
+    (0.8, 0.3, 1.0, False, 0.5, 0.5 + 0.5, 0.8),  # an edit that improves
+    (0.2, 0.6, 1.0, False, 0.5, 0.5 - 0.4, 0.2),  # an edit that hurts
+    (1.0, 1.0, 1.0, True, 0.5, 0.5 + 1.0, 1.0),  # perfect image, correctly left alone: improvement 1
+    (0.4, 0.4, 1.0, True, 0.5, 0.5 + 0.0, 0.4),  # imperfect image left alone: no improvement
+    (1.0, 1.0, 1.0, False, 0.5, 0.5 + 0.0, 1.0),  # perfect image edited and still perfect
+    (0.9, 0.1, 0.0, False, 0.5, 0.0, 0.9),  # malformed reflection: no text reward
+])
+def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
+    t, i = tm.reflect_rewards([new], [prev], [fmt], [no_edit], w)
+    assert t.item() == pytest.approx(text) and i.item() == pytest.approx(image)
+
+
+@pytest.mark.parametrize("text, fmt, instruction, no_edit", [
+    ("<think>the square is missing</think> add a red square on the left", 1.0,
+     "add a red square on the left", False),
+    ("<think>all there</think> No further edit needed.", 1.0, "No further edit needed.", True),
+    ("<think>all there</think>   ", 0.0, "<think>all there</think>", False),  # nothing after </think>
+    ("no further edit needed", 0.0, "no further edit needed", False),  # no reflection: refined anyway
+])
+def test_reflection_format(text, fmt, instruction, no_edit):
+    assert tm.reflection_of(text) == (fmt, instruction, no_edit)
+
+
+def test_buffer_draws_follow_perfect_buffer_prob_and_fall_back_when_a_pool_is_empty():
+    buffer = dict(perfect=[dict(id=0, score=1.0)], imperfect=[dict(id=i, score=0.5) for i in range(1, 5)])
+    cfg = MixGRPOConfig(perfect_buffer_prob=0.15, seed=3)
+    draws = [tm.draw_entry(buffer, cfg, step, slot)["id"] for step in range(1, 400, 2) for slot in range(4)]
+    share = sum(d == 0 for d in draws) / len(draws)
+    assert 0.10 < share < 0.20  # 800 draws at p = 0.15
+    assert set(draws) == {0, 1, 2, 3, 4}
+    assert tm.draw_entry(buffer, cfg, 5, 2) == tm.draw_entry(buffer, cfg, 5, 2)  # seeded by (seed, step, slot)
+    only_imperfect, only_perfect = dict(perfect=[], imperfect=[dict(id=7)]), dict(perfect=[dict(id=9)], imperfect=[])
+    assert tm.draw_entry(only_imperfect, replace(cfg, perfect_buffer_prob=1.0), 1, 0)["id"] == 7
+    assert tm.draw_entry(only_perfect, replace(cfg, perfect_buffer_prob=0.0), 1, 0)["id"] == 9
+
+
 def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std():
     r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
     adv = tm.group_advantages(r, 4)
@@ -154,6 +192,42 @@ def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
     assert ((untempered - roll["old_logps"]) * roll["mask"]).abs().max() > 1e-3
 
 
+def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_image_advantage(tiny, monkeypatch):
+    cfg = tiny["cfg"]
+    reason = rollout(tiny)
+    buffer = dict(perfect=[], imperfect=[dict(id=i, row=r, score=0.25 * (i % 4), image=im)
+                                         for i, (r, im) in enumerate(zip(reason["rows"], reason["images"]))])
+    texts = iter(["<think>fine</think> no further edit needed", "<think>x</think> add a circle"] * 8)
+    real = tm.text_rollout
+
+    def scripted(*args, **kw):  # the random tiny VLM never writes a reflection: script the decoded texts
+        out = real(*args, **kw)
+        return dict(out, texts=[next(texts) for _ in out["texts"]])
+
+    monkeypatch.setattr(tm, "text_rollout", scripted)
+    roll = tm.reflect_rollout(cfg, 1, [0, 1], buffer, rank_in_group=0, policy=tiny["policy"],
+                              processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
+                              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+    keep = roll["no_edit"].bool()
+    assert keep.tolist() == [True, False] * 4 and roll["image_mask"].tolist() == [0.0, 1.0] * 4
+    inputs = {id(e["image"]): e for e in buffer["imperfect"]}
+    for i, im in enumerate(roll["images"]):
+        assert (id(im) in inputs) == bool(keep[i])  # kept: the very input image; edited: a new one
+    assert torch.equal(roll["scores"][keep], roll["score_prev"][keep])
+    # the refine SDE step is one of the first max_sde_timestep_idx_for_edit steps, shared by the prompt's group
+    assert roll["steps"].index.max() < cfg.max_sde_timestep_idx_for_edit
+    assert roll["steps"].index[:4].unique().numel() == 1
+    # the edit went through the image-conditioned path: the input image's latents join the sequence
+    assert roll["cond"].image_latents is not None
+    # ratio 1 at unchanged weights on the refine step too, and no image loss for the kept samples
+    adv = torch.linspace(-1, 1, 8)
+    _, stats = tm.mixgrpo_loss(replace(cfg, kl_weight_text=0.0), tiny["policy"], tiny["gen"], roll, adv,
+                               adv * roll["image_mask"],
+                               ref_logps=None, ref_mean=None, text_tokens=roll["mask"].sum().float(), n_images=8,
+                               world=1)
+    assert stats["ratio_max_dev_image"] < 1e-5 and stats["ratio_max_dev_text"] < 1e-5
+
+
 @pytest.mark.parametrize("text, image", [(True, False), (False, True), (True, True)])
 def test_tune_flags_put_gradients_on_exactly_their_parameters(tiny, text, image):
     cfg = replace(tiny["cfg"], tune_text_cot=text, tune_image_cot=image, kl_weight_text=0.0, kl_weight_image=0.0)
@@ -202,7 +276,12 @@ def finish(proc, timeout=900):
     return out
 
 
-LOSS_KEYS = ("loss", "reason/image_reward", "reason/loss_image", "reason/loss_text", "reason/image_advantage_abs")
+LOSS_KEYS = ("loss", "image_reward", "loss_image", "loss_text", "image_advantage_abs", "text_reward", "score")
+
+
+def values(m):
+    stage = "reflect" if "reflect/score" in m else "reason"
+    return {k: m[k if k == "loss" else f"{stage}/{k}"] for k in LOSS_KEYS}
 
 
 @pytest.mark.slow
@@ -214,40 +293,43 @@ def test_two_processes_as_one_policy_group_match_one_process(tiny, tmp_path):
     finish(two)
     m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(m1) == len(m2) == 3
-    assert m1[-1]["reason/loss_image"] != m1[0]["reason/loss_image"]  # the runs really train
+    assert "reflect/score" in m1[1] and "reason/score" in m1[2]  # the stages alternate
+    assert m1[2]["reason/loss_image"] != m1[0]["reason/loss_image"]  # the runs really train
     for a, b in zip(m1, m2):
-        for key in LOSS_KEYS:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+        for key, value in values(a).items():
+            assert value == pytest.approx(values(b)[key], rel=1e-4, abs=1e-6), (a["step"], key, value, values(b))
 
 
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
-    args = dict(max_steps=4, save_steps=2, log_completions=8)
+    # checkpoint-3 comes after a reason step: the resumed run's first step reflects on the checkpointed buffer
+    args = dict(max_steps=5, save_steps=3, log_completions=8)
     finish(launch(cli(tiny, tmp_path / "full", **args), 1))
     victim = launch(cli(tiny, tmp_path / "killed", **args), 1)
     deadline = time.time() + 600
-    while not (tmp_path / "killed" / "checkpoint-2" / "trainer_state.json").exists():
+    while not (tmp_path / "killed" / "checkpoint-3" / "trainer_state.json").exists():
         assert victim.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
         time.sleep(0.05)
     os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its worker: the run really stops here
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
     time.sleep(1.0)
-    assert not (tmp_path / "killed" / "checkpoint-4").exists()
+    assert not (tmp_path / "killed" / "checkpoint-5").exists()
+    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "buffer.pt").exists()
     finish(launch(cli(tiny, tmp_path / "killed", resume_from_checkpoint="latest", **args), 1))
     full = {m["step"]: m for m in read_jsonl(tmp_path / "full" / "metrics.jsonl")}
     resumed = {m["step"]: m for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")}
-    assert sorted(resumed) == [1, 2, 3, 4]
-    for step in (3, 4):
-        for key in LOSS_KEYS:
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-7), (step, key)
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    for step in (4, 5):
+        for key, value in values(resumed[step]).items():
+            assert value == pytest.approx(values(full[step])[key], rel=1e-5, abs=1e-7), (step, key)
 
     def drawn(run_dir):
         return [(r["step"], r["id"], r["prompt"], r["completion"], r["score"])
-                for r in read_jsonl(run_dir / "completions.jsonl") if r["step"] >= 3]
+                for r in read_jsonl(run_dir / "completions.jsonl") if r["step"] >= 4]
 
     assert drawn(tmp_path / "killed") == drawn(tmp_path / "full") and len(drawn(tmp_path / "full")) == 16
     # both parts are in the checkpoint: the VLM as an HF folder, the generator's LoRA as a diffusers adapter
-    ckpt = tmp_path / "full" / "checkpoint-4"
+    ckpt = tmp_path / "full" / "checkpoint-5"
     assert (ckpt / "model.safetensors").exists()
     assert (ckpt / "generator_lora" / "pytorch_lora_weights.safetensors").exists()

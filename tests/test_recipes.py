@@ -24,6 +24,8 @@ def test_every_recipe_parses_to_the_values_it_writes(path):
     name = os.path.basename(path)
     if "sft" in name:
         from train_sft import SFTConfig as Config
+    elif "mixgrpo" in name or name.startswith("r3_"):
+        from train_mixgrpo import MixGRPOConfig as Config
     else:
         from train_grpo import GRPOConfig as Config
     with open(path) as f:
