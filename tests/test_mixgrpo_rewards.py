@@ -84,3 +84,49 @@ def test_a_failing_reward_server_stops_the_run_instead_of_scoring_zero(assets, t
         server.close()
     assert len(server.requests) == 2  # the request and its one retry
     assert not (tmp_path / "metrics.jsonl").exists() or read_jsonl(tmp_path / "metrics.jsonl") == []
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_vlm_judge_served_by_transformers_serve_scores_both_stages(assets, tmp_path):
+    """The GenEval++ judge is the tiny VLM behind `transformers serve` (transformers' own OpenAI-compatible
+    server): every reason and refine image goes to /v1/chat/completions and its reply becomes the score."""
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    vlm = os.path.join(assets["gen"], "_vlm")
+    port = free_port()
+    cli = os.path.join(os.path.dirname(sys.executable), "transformers")
+    server = subprocess.Popen([cli, "serve", vlm, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                               "--log-level", "info"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert server.poll() is None and time.time() < deadline, "transformers serve did not start"
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.exceptions.ConnectionError:
+                time.sleep(0.5)
+        prompts = write_jsonl(make_t2i_prompts(4, seed=0), str(tmp_path / "geneval_plus.jsonl"))
+        run(assets, tmp_path / "run", port, dataset_name="geneval_plus", train_data_path=prompts,
+            reward_fn="judge_geneval_plus", reward_kwargs={"model": vlm, "max_tokens": 8, "max_retries": 1})
+    finally:
+        os.killpg(server.pid, 9)
+        log = server.communicate()[0]
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert "reason/score" in metrics[0] and "reflect/score" in metrics[1]
+    # a random tiny VLM's reply is no verdict: scored as wrong (0), a reading the judge reward makes on purpose
+    assert metrics[0]["reason/score"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert log.count("/v1/chat/completions") >= 8, log[-2000:]  # 4 reason + 4 refine images
