@@ -130,3 +130,31 @@ def test_vlm_judge_served_by_transformers_serve_scores_both_stages(assets, tmp_p
     # a random tiny VLM's reply is no verdict: scored as wrong (0), a reading the judge reward makes on purpose
     assert metrics[0]["reason/score"] in (0.0, 0.25, 0.5, 0.75, 1.0)
     assert log.count("/v1/chat/completions") >= 8, log[-2000:]  # 4 reason + 4 refine images
+
+
+@pytest.mark.parametrize("dataset, row, message", [
+    ("geneval", {"tag": "counting", "prompt": "two circles", "include": [{"class": "circle", "count": 0}]},
+     r"row 1.*include.*count"),
+    ("tiif", {"type": "x", "short_description": "a cat", "yn_question_list": ["is it a cat?"],
+              "yn_answer_list": ["maybe"]}, r"row 1.*yn_answer_list"),
+])
+def test_a_bad_prompt_row_is_refused_with_the_row_named_before_any_model_loads(tmp_path, monkeypatch, dataset, row,
+                                                                              message):
+    from utils.data import DataValidationError
+
+    good = dict(tag="single_object", prompt="a circle", include=[{"class": "circle", "count": 1}]) \
+        if dataset == "geneval" else dict(type="x", short_description="a dog", yn_question_list=["a dog?"],
+                                          yn_answer_list=["yes"])
+    path = write_jsonl([good, row], str(tmp_path / "prompts.jsonl"))
+    monkeypatch.setattr(tm, "build_policy", lambda *a, **k: pytest.fail("a model was loaded before the data check"))
+    cfg = dict(dataset_name=dataset, train_data_path=path, val_data_path=None, output_dir=str(tmp_path / "out"),
+               report_to="none", policy_group_size=1, model_name_or_path="unused", generator_name_or_path="unused",
+               reward_fn="judge_tiif" if dataset == "tiif" else "geneval")
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        with pytest.raises(DataValidationError, match=message):
+            tm.main(tm.MixGRPOConfig(**cfg))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
