@@ -128,9 +128,10 @@ def _find_pretrained(module) -> tuple[str, object | None]:
 
 
 def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None, extra_state: dict | None = None,
-                    save_total_limit: int | None = None) -> str:
+                    save_total_limit: int | None = None, extra_saves: dict | None = None) -> str:
     """Save a resumable + HF-loadable checkpoint. Call on every rank (DeepSpeed's save and ZeRO-3's gather are
-    collective). Returns the path of `checkpoint-{step}`."""
+    collective). `extra_saves` ({subfolder: fn(folder)}, run on the main process) adds other loadable parts, e.g.
+    a second model's adapter, inside the same atomic folder. Returns the path of `checkpoint-{step}`."""
     if save_total_limit is not None and save_total_limit < 1:  # fail before an expensive save, not after
         raise ValueError(f"save_total_limit must be >= 1 or None, got {save_total_limit}")
     output_dir = Path(output_dir)
@@ -154,6 +155,8 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
             pretrained.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
         if processor is not None:
             processor.save_pretrained(str(tmp))
+        for name, save in (extra_saves or {}).items():
+            save(str(tmp / name))
         state = {"global_step": step, **_json_safe(extra_state or {})}
         # trainer_state.json last: its presence marks the folder complete
         (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")

@@ -1,0 +1,335 @@
+"""train_mixgrpo.py: the stage reward rules, advantages, flag checks, reward endpoints, and on tiny models the
+loss at unchanged weights (ratio 1, KL 0, CFG on), tune_* gradients, 1 vs 2 processes, SIGKILL + exact resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+import train_mixgrpo as tm
+from train_mixgrpo import MixGRPOConfig
+from utils.tracking import read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+
+
+@pytest.mark.parametrize("score, fmt, w, text, image", [
+    (1.0, 1.0, 0.5, 1.5, 1.0),  # perfect image, well-formed reasoning
+    (0.4, 1.0, 0.5, 0.9, 0.4),  # partial credit
+    (1.0, 0.0, 0.5, 0.0, 1.0),  # malformed reasoning: no text reward, the image keeps its score
+    (0.0, 1.0, 0.2, 0.2, 0.0),  # format only
+    (0.0, 0.0, 0.5, 0.0, 0.0),
+])
+def test_reason_rewards(score, fmt, w, text, image):
+    t, i = tm.reason_rewards([score], [fmt], w)
+    assert t.item() == pytest.approx(text) and i.item() == pytest.approx(image)
+
+
+@pytest.mark.parametrize("text, fmt, reasoning", [
+    ("<think>two red circles on the left</think>", 1.0, "two red circles on the left"),
+    ("  <think>\nplan\n</think> trailing", 1.0, "plan"),
+    ("<think> </think>", 0.0, "<think> </think>"),  # empty reasoning is not well-formed
+    ("no tags here", 0.0, "no tags here"),
+    ("<think>unclosed", 0.0, "<think>unclosed"),
+    ("text <think>late</think>", 0.0, "text <think>late</think>"),
+])
+def test_reasoning_format(text, fmt, reasoning):
+    assert tm.reasoning_of(text) == (fmt, reasoning)
+
+
+# score_new, score_prev, fmt, no_edit, w -> text reward, image reward
+@pytest.mark.parametrize("new, prev, fmt, no_edit, w, text, image", [
+    (0.8, 0.3, 1.0, False, 0.5, 0.5 + 0.5, 0.8),  # an edit that improves
+    (0.2, 0.6, 1.0, False, 0.5, 0.5 - 0.4, 0.2),  # an edit that hurts
+    (1.0, 1.0, 1.0, True, 0.5, 0.5 + 1.0, 1.0),  # perfect image, correctly left alone: improvement 1
+    (0.4, 0.4, 1.0, True, 0.5, 0.5 + 0.0, 0.4),  # imperfect image left alone: no improvement
+    (1.0, 1.0, 1.0, False, 0.5, 0.5 + 0.0, 1.0),  # perfect image edited and still perfect
+    (0.9, 0.1, 0.0, False, 0.5, 0.0, 0.9),  # malformed reflection: no text reward
+])
+def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
+    t, i = tm.reflect_rewards([new], [prev], [fmt], [no_edit], w)
+    assert t.item() == pytest.approx(text) and i.item() == pytest.approx(image)
+
+
+@pytest.mark.parametrize("text, fmt, instruction, no_edit", [
+    ("<think>the square is missing</think> add a red square on the left", 1.0,
+     "add a red square on the left", False),
+    ("<think>all there</think> No further edit needed.", 1.0, "No further edit needed.", True),
+    ("<think>all there</think>   ", 0.0, "<think>all there</think>", False),  # nothing after </think>
+    ("no further edit needed", 0.0, "no further edit needed", False),  # no reflection: refined anyway
+])
+def test_reflection_format(text, fmt, instruction, no_edit):
+    assert tm.reflection_of(text) == (fmt, instruction, no_edit)
+
+
+def test_buffer_draws_follow_perfect_buffer_prob_and_fall_back_when_a_pool_is_empty():
+    buffer = dict(perfect=[dict(id=0, score=1.0)], imperfect=[dict(id=i, score=0.5) for i in range(1, 5)])
+    cfg = MixGRPOConfig(perfect_buffer_prob=0.15, seed=3)
+    draws = [tm.draw_entry(buffer, cfg, step, slot)["id"] for step in range(1, 400, 2) for slot in range(4)]
+    share = sum(d == 0 for d in draws) / len(draws)
+    assert 0.10 < share < 0.20  # 800 draws at p = 0.15
+    assert set(draws) == {0, 1, 2, 3, 4}
+    assert tm.draw_entry(buffer, cfg, 5, 2) == tm.draw_entry(buffer, cfg, 5, 2)  # seeded by (seed, step, slot)
+    only_imperfect, only_perfect = dict(perfect=[], imperfect=[dict(id=7)]), dict(perfect=[dict(id=9)], imperfect=[])
+    assert tm.draw_entry(only_imperfect, replace(cfg, perfect_buffer_prob=1.0), 1, 0)["id"] == 7
+    assert tm.draw_entry(only_perfect, replace(cfg, perfect_buffer_prob=0.0), 1, 0)["id"] == 9
+
+
+def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
+    adv = tm.group_advantages(r, 4)
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0, 0.0, 0, 0, 0, 0]))
+    scaled = tm.group_advantages(r, 4, scale=True)
+    assert torch.allclose(scaled[:4], adv[:4] / (r[:4].std() + 1e-4)) and scaled[4:].abs().max() == 0
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (dict(group_size=6, policy_group_size=4), 4, "not a multiple of --policy_group_size"),
+    (dict(group_size=8, policy_group_size=4), 2, "do not split into policy groups"),
+    (dict(tune_text_cot=False, tune_image_cot=False), 4, "nothing to train"),
+    (dict(enable_sde_gen=False), 4, "needs --enable_sde_gen"),
+    (dict(cfg_interval=[0.5, 0.4]), 4, "--cfg_interval"),
+    (dict(reward_fn="nope"), 4, "--reward_fn 'nope'"),
+    (dict(dataset_name="geneval", train_data_path="tiny"), 4, "--train_data_path tiny"),
+    (dict(dataset_name="tiif", train_data_path="a", val_data_path=None, reward_fn="geneval"), 4, "judge_tiif"),
+    (dict(generator_lora_r=0), 4, "not supported yet"),
+])
+def test_validate_refuses_bad_flags(overrides, world, message):
+    with pytest.raises(ValueError, match=message):
+        tm.validate(MixGRPOConfig(**overrides), world)
+
+
+def test_reward_endpoints_rank_mod_n_and_the_geneval_server_is_not_sent_to_v1(monkeypatch):
+    # R3 rewrote every reward URL to .../v1; the GenEval server serves "/", the OpenAI-compatible judge /v1.
+    urls, ports = "http://127.0.0.1,http://127.0.0.2", "8000,8001"
+    expected = ["http://127.0.0.1:8000/", "http://127.0.0.1:8001/", "http://127.0.0.2:8000/", "http://127.0.0.2:8001/"]
+    for rank in range(6):
+        monkeypatch.setenv("RANK", str(rank))
+        geneval = tm.build_reward(MixGRPOConfig(reward_fn="geneval", reward_server_urls=urls, reward_server_port=ports))
+        assert geneval.options["client"].url == expected[rank % 4]
+        judge = tm.build_reward(MixGRPOConfig(reward_fn="judge_geneval_plus", reward_server_urls=urls,
+                                              reward_server_port=ports))
+        assert judge.options["client"].url == expected[rank % 4] + "v1/chat/completions"
+    judge = tm.build_reward(MixGRPOConfig(reward_fn="judge_tiif", dataset_name="tiif",
+                                          reward_server_urls="http://127.0.0.1:9000/v1", reward_server_port=None))
+    assert judge.options["client"].url == "http://127.0.0.1:9000/v1/chat/completions"
+
+
+# ---- on tiny models, in this process ----
+
+TINY_CFG = dict(group_size=4, policy_group_size=1, prompts_per_policy_group=2, max_output_token_n_gen=6,
+                image_size=32, num_timesteps_gen=4, temperature=0.7, generator_lora_r=4, report_to="none",
+                reward_fn="tests.mixgrpo_helpers:brightness", eval_samples=2, eval_num_timesteps=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from accelerate import Accelerator
+
+    from tiny.pipelines import make_tiny_qwenimage
+    from tiny.t2i import make_t2i_prompts
+
+    gen_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo") / "qwenimage"))
+    cfg = MixGRPOConfig(**TINY_CFG)
+    accelerator = Accelerator(cpu=True)
+    model, processor, policy, gen, gen_params = tm.build_policy(cfg, os.path.join(gen_path, "_vlm"), gen_path, "cpu")
+    stop = tm.stop_token_ids(model, processor.tokenizer)
+    return dict(cfg=cfg, accelerator=accelerator, model=model, processor=processor, policy=policy, gen=gen,
+                gen_params=gen_params, rows=make_t2i_prompts(2, seed=0), gen_path=gen_path,
+                stop=stop, suppress=tm.special_token_ids_to_suppress(processor.tokenizer, stop))
+
+
+def rollout(tiny, cfg=None):
+    cfg = cfg or tiny["cfg"]
+    return tm.reason_rollout(cfg, 0, [0, 1], tiny["rows"], rank_in_group=0, policy=tiny["policy"],
+                             processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
+                             stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
+                             reward_fn=tm.build_reward(cfg))
+
+
+def test_rollout_shares_noise_and_sde_step_within_a_prompt_and_varies_the_rest(tiny):
+    roll = rollout(tiny)
+    steps = roll["steps"]
+    assert roll["global_ids"] == list(range(8)) and len(roll["images"]) == 8
+    # one SDE step index per prompt, among the first N - 1 steps
+    assert steps.index.tolist()[:4] == [steps.index[0].item()] * 4 and 0 <= steps.index.max() < 3
+    again = rollout(tiny)  # seeded by (seed, step, prompt / rollout): the same draw twice
+    assert torch.equal(again["ids"], roll["ids"]) and torch.equal(again["steps"].next_latents, steps.next_latents)
+    # different SDE noise per rollout: the group's images differ
+    assert not torch.equal(steps.next_latents[0], steps.next_latents[1])
+
+
+def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
+    cfg = tiny["cfg"]
+    roll = rollout(tiny)
+    gen, policy = tiny["gen"], tiny["policy"]
+    assert roll["steps"].guidance.scale == 4.0 and roll["steps"].guidance.interval == (0.4, 1.0)
+    with torch.no_grad():
+        ref_mean = tm.image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
+        ref_logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
+    adv = torch.linspace(-1, 1, 8)
+    loss, stats = tm.mixgrpo_loss(cfg, policy, gen, roll, adv, adv, ref_logps=ref_logps, ref_mean=ref_mean,
+                                  text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    assert stats["ratio_max_dev_text"] < 1e-5 and stats["ratio_max_dev_image"] < 1e-5
+    assert stats["kl_text"].abs() < 1e-6 and stats["kl_image"].abs() < 1e-10
+    assert stats["clip_ratio_text"] == 0 and stats["clip_ratio_image"] == 0
+    # The defects these pin: a training velocity without the rollout's CFG, and behaviour log-probs from the
+    # untempered softmax, would each move the ratio away from 1 here.
+    # (The random tiny transformer's two CFG branches are close, hence the small but clear gap.)
+    with torch.no_grad():
+        kept = tm.image_logprobs(gen, roll["cond"], roll["steps"])[0]
+        no_cfg = tm.step_logprob(gen, roll["cond"], roll["steps"], guidance=tm.Guidance(scale=1.0))[0]
+    assert (kept - roll["steps"].log_prob).abs().max() < 1e-6
+    assert (no_cfg - roll["steps"].log_prob).abs().max() > 1e-5
+    with torch.no_grad():
+        untempered = policy(roll["batch"], roll["ids"], roll["mask"], 1.0)
+    assert ((untempered - roll["old_logps"]) * roll["mask"]).abs().max() > 1e-3
+
+
+def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_image_advantage(tiny, monkeypatch):
+    cfg = tiny["cfg"]
+    reason = rollout(tiny)
+    buffer = dict(perfect=[], imperfect=[dict(id=i, row=r, score=0.25 * (i % 4), image=im)
+                                         for i, (r, im) in enumerate(zip(reason["rows"], reason["images"]))])
+    texts = iter(["<think>fine</think> no further edit needed", "<think>x</think> add a circle"] * 8)
+    real = tm.text_rollout
+
+    def scripted(*args, **kw):  # the random tiny VLM never writes a reflection: script the decoded texts
+        out = real(*args, **kw)
+        return dict(out, texts=[next(texts) for _ in out["texts"]])
+
+    monkeypatch.setattr(tm, "text_rollout", scripted)
+    roll = tm.reflect_rollout(cfg, 1, [0, 1], buffer, rank_in_group=0, policy=tiny["policy"],
+                              processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
+                              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+    keep = roll["no_edit"].bool()
+    assert keep.tolist() == [True, False] * 4 and roll["image_mask"].tolist() == [0.0, 1.0] * 4
+    inputs = {id(e["image"]): e for e in buffer["imperfect"]}
+    for i, im in enumerate(roll["images"]):
+        assert (id(im) in inputs) == bool(keep[i])  # kept: the very input image; edited: a new one
+    assert torch.equal(roll["scores"][keep], roll["score_prev"][keep])
+    # the refine SDE step is one of the first max_sde_timestep_idx_for_edit steps, shared by the prompt's group
+    assert roll["steps"].index.max() < cfg.max_sde_timestep_idx_for_edit
+    assert roll["steps"].index[:4].unique().numel() == 1
+    # the edit went through the image-conditioned path: the input image's latents join the sequence
+    assert roll["cond"].image_latents is not None
+    # ratio 1 at unchanged weights on the refine step too, and no image loss for the kept samples
+    adv = torch.linspace(-1, 1, 8)
+    _, stats = tm.mixgrpo_loss(replace(cfg, kl_weight_text=0.0), tiny["policy"], tiny["gen"], roll, adv,
+                               adv * roll["image_mask"],
+                               ref_logps=None, ref_mean=None, text_tokens=roll["mask"].sum().float(), n_images=8,
+                               world=1)
+    assert stats["ratio_max_dev_image"] < 1e-5 and stats["ratio_max_dev_text"] < 1e-5
+
+
+@pytest.mark.parametrize("text, image", [(True, False), (False, True), (True, True)])
+def test_tune_flags_put_gradients_on_exactly_their_parameters(tiny, text, image):
+    cfg = replace(tiny["cfg"], tune_text_cot=text, tune_image_cot=image, kl_weight_text=0.0, kl_weight_image=0.0)
+    roll = rollout(tiny, cfg)
+    policy, gen = tiny["policy"], tiny["gen"]
+    text_params = [p for p in policy.parameters() if p.requires_grad]
+    for p in text_params + tiny["gen_params"]:
+        p.grad = None
+    adv = torch.linspace(-1, 1, 8)
+    loss, _ = tm.mixgrpo_loss(cfg, policy, gen, roll, adv, adv, ref_logps=None, ref_mean=None,
+                              text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    loss.backward()
+    text_grads = [p.grad for p in text_params if p.grad is not None and p.grad.abs().sum() > 0]
+    image_grads = [p.grad for p in tiny["gen_params"] if p.grad is not None and p.grad.abs().sum() > 0]
+    assert bool(text_grads) == text and bool(image_grads) == image
+    # conditioning="base": nothing of the generator's text encoder (a frozen copy of the VLM) gets a gradient
+    assert all(p.grad is None for p in gen.text_encoder.parameters())
+    # the only generator parameters that train are its LoRA weights
+    assert all("lora" in n for n, p in gen.transformer.named_parameters() if p.grad is not None)
+    for p in text_params + tiny["gen_params"]:
+        p.grad = None
+
+
+# ---- end to end: accelerate launch ----
+
+
+def launch(args, num_processes):
+    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", str(num_processes), "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "train_mixgrpo.py"), *args]
+    # Its own session, so a test can SIGKILL the launcher and every worker it started (killpg).
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def cli(tiny, out, **overrides):
+    cfg = {**TINY_CFG, "model_name_or_path": os.path.join(tiny["gen_path"], "_vlm"),
+           "generator_name_or_path": tiny["gen_path"], "output_dir": str(out), "max_steps": 3,
+           "learning_rate": 1e-3, "warmup_steps": 0, "val_data_path": "none", "save_steps": 100, "cpu_threads": 1}
+    cfg.update(overrides)
+    return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
+
+
+def finish(proc, timeout=900):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+LOSS_KEYS = ("loss", "image_reward", "loss_image", "loss_text", "image_advantage_abs", "text_reward", "score")
+
+
+def values(m):
+    stage = "reflect" if "reflect/score" in m else "reason"
+    return {k: m[k if k == "loss" else f"{stage}/{k}"] for k in LOSS_KEYS}
+
+
+@pytest.mark.slow
+def test_two_processes_as_one_policy_group_match_one_process(tiny, tmp_path):
+    # The same 2 prompts x 4 rollouts: one process, or two processes making 2 rollouts of each prompt.
+    one = launch(cli(tiny, tmp_path / "one", policy_group_size=1), 1)
+    finish(one)
+    two = launch(cli(tiny, tmp_path / "two", policy_group_size=2), 2)
+    finish(two)
+    m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert len(m1) == len(m2) == 3
+    assert "reflect/score" in m1[1] and "reason/score" in m1[2]  # the stages alternate
+    assert m1[2]["reason/loss_image"] != m1[0]["reason/loss_image"]  # the runs really train
+    for a, b in zip(m1, m2):
+        for key, value in values(a).items():
+            assert value == pytest.approx(values(b)[key], rel=1e-4, abs=1e-6), (a["step"], key, value, values(b))
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
+    # checkpoint-3 comes after a reason step: the resumed run's first step reflects on the checkpointed buffer
+    args = dict(max_steps=5, save_steps=3, log_completions=8)
+    finish(launch(cli(tiny, tmp_path / "full", **args), 1))
+    victim = launch(cli(tiny, tmp_path / "killed", **args), 1)
+    deadline = time.time() + 600
+    while not (tmp_path / "killed" / "checkpoint-3" / "trainer_state.json").exists():
+        assert victim.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its worker: the run really stops here
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    time.sleep(1.0)
+    assert not (tmp_path / "killed" / "checkpoint-5").exists()
+    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "buffer.pt").exists()
+    finish(launch(cli(tiny, tmp_path / "killed", resume_from_checkpoint="latest", **args), 1))
+    full = {m["step"]: m for m in read_jsonl(tmp_path / "full" / "metrics.jsonl")}
+    resumed = {m["step"]: m for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")}
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    for step in (4, 5):
+        for key, value in values(resumed[step]).items():
+            assert value == pytest.approx(values(full[step])[key], rel=1e-5, abs=1e-7), (step, key)
+
+    def drawn(run_dir):
+        return [(r["step"], r["id"], r["prompt"], r["completion"], r["score"])
+                for r in read_jsonl(run_dir / "completions.jsonl") if r["step"] >= 4]
+
+    assert drawn(tmp_path / "killed") == drawn(tmp_path / "full") and len(drawn(tmp_path / "full")) == 16
+    # both parts are in the checkpoint: the VLM as an HF folder, the generator's LoRA as a diffusers adapter
+    ckpt = tmp_path / "full" / "checkpoint-5"
+    assert (ckpt / "model.safetensors").exists()
+    assert (ckpt / "generator_lora" / "pytorch_lora_weights.safetensors").exists()

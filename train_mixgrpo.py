@@ -1,0 +1,786 @@
+"""R3 Mix-GRPO: GRPO on a VLM's text reasoning and on a flow-matching generator's SDE steps, in one script.
+
+    accelerate launch train_mixgrpo.py                                   # tiny CPU recipe
+    accelerate launch train_mixgrpo.py --config recipes/r3_geneval.yaml
+
+Reason stage: prompt -> `<think>..</think>` (the VLM) -> image (Qwen-Image, conditioned on the prompt and the
+reasoning). Each prompt gets `group_size` rollouts spread over `policy_group_size` processes; the group shares
+the initial noise and one SDE step index, the rest of the trajectory is ODE. The text part (token clipped
+surrogate + k3 KL) and the image part (clipped surrogate on the SDE step's log-prob + the image KL) get their
+own advantages and weights. docs/mixgrpo.md has the formulas and what is built so far (the reason stage).
+"""
+
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, gather_object, set_seed
+from transformers import get_scheduler
+
+from rewards import get_reward
+from tiny.cache import _cached
+from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from utils.config import choice, config_to_dict, parse_config, save_config
+from utils.flow_generators import Guidance, SDEStep, load_flow_generator, sample, step_logprob
+from utils.flow_sde import image_kl
+from utils.hub import HubUploader
+from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
+from utils.losses import clipped_policy_loss
+from utils.models import load_model_and_processor, prepare_for_training
+from utils.rollout import (
+    completion_seeds,
+    encode_prompts,
+    generate_completions,
+    special_token_ids_to_suppress,
+    stop_token_ids,
+    unwrap_for_generation,
+)
+from utils.samplers import SeededSampler
+from utils.t2i_data import load_geneval, load_tiif
+from utils.tracking import RunLogger, peak_memory_mb, write_summary
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TINY = "tiny"
+TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
+DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif")
+REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
+THINK_RE = re.compile(r"^\s*<think>(.*?\S.*?)</think>", re.S)
+NO_EDIT = "no further edit needed"
+REFLECT_PROMPT = ("This image was drawn for: {prompt}\nThink inside <think> </think> about whether it shows exactly "
+                  f"that. Then write one edit instruction that fixes it, or write \"{NO_EDIT}\".")
+REASON_PROMPT = ("Think about how to draw the image below inside <think> </think>: which objects, how many, "
+                 "their colours and where they go. Then stop.\nImage: {prompt}")
+
+
+@dataclass
+class MixGRPOConfig:
+    # models
+    model_name_or_path: str = field(default=TINY, metadata={
+        "help": "the policy VLM (Qwen2.5-VL); 'tiny': the tiny VLM of the tiny generator"})
+    generator_name_or_path: str = field(default=TINY, metadata={
+        "help": "Qwen-Image pipeline folder or hub name; 'tiny': a random tiny Qwen-Image on the tiny VLM"})
+    dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
+    conditioning: str = choice("base", "policy", help="the image model reads the VLM's base weights (no grad) or "
+                                                      "the policy as it trains")
+    attn_implementation: Optional[str] = None  # VLM attention: sdpa, eager, flash_attention_2; none: the default
+    freeze_vision_tower: bool = False  # freeze the VLM's vision encoder
+    gradient_checkpointing: bool = False  # recompute activations of both parts in backward
+    use_peft: bool = False  # LoRA on the VLM (its reference is then the VLM with adapters off)
+    lora_r: int = 16  # VLM LoRA rank
+    lora_alpha: int = 32  # VLM LoRA alpha
+    lora_dropout: float = 0.05  # VLM LoRA dropout
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # VLM modules LoRA wraps
+    generator_lora_r: int = 16  # LoRA rank on the generator's attention (its reference: adapters off)
+    generator_lora_alpha: Optional[int] = None  # generator LoRA alpha; none: the rank
+    max_pixels: Optional[int] = None  # max pixels per image for the VLM's image processor
+    min_pixels: Optional[int] = None  # min pixels per image for the VLM's image processor
+    max_anyres_num: Optional[int] = None  # unused by Qwen2.5-VL; kept for the shared model loader
+    # data
+    dataset_name: str = choice(*DATASETS, help="schema of the prompt files")
+    train_data_path: str = field(default=TINY, metadata={
+        "help": "jsonl of training prompts; 'tiny': synthetic shapes_t2i prompts"})
+    val_data_path: Optional[str] = field(default=TINY, metadata={
+        "help": "jsonl of held-out prompts (shapes_t2i: 'tiny'); none: no evaluation"})
+    # rewards
+    reward_fn: str = field(default="shapes_t2i", metadata={
+        "help": "image reward: shapes_t2i, geneval, judge_geneval_plus, judge_tiif, or module:function"})
+    reward_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON options of --reward_fn"})
+    reward_server_urls: str = "http://127.0.0.1"  # comma-separated reward server URLs (rank r: endpoint r mod n)
+    reward_server_port: Optional[str] = "8000"  # comma-separated ports, combined with every URL; none: in the URLs
+    format_weight: float = 0.5  # w_fmt: reason text reward = score * fmt + w_fmt * fmt
+    # groups
+    group_size: int = 16  # rollouts per prompt (the GRPO group)
+    policy_group_size: int = 4  # processes sharing one prompt; each makes group_size // policy_group_size rollouts
+    prompts_per_policy_group: int = 1  # prompts each policy group takes per step
+    # text
+    max_prompt_length: Optional[int] = 512  # max prompt tokens (longer: an error naming the row)
+    max_output_token_n_gen: int = 256  # max reasoning tokens in the reason stage
+    temperature: float = 0.9  # text sampling temperature; behaviour and training log-probs use it too
+    # image
+    image_size: int = 512  # height = width of the generated images
+    num_timesteps_gen: int = 20  # flow steps of the reason stage's image
+    enable_sde_gen: bool = True  # one SDE step per rollout (trained); off: ODE only, the image part is not trained
+    noise_level_gen: float = 0.7  # SDE noise level a of the reason stage
+    noise_cap: str = choice("flow_grpo", "r3", help="std_t rule at sigma = 1 (utils/flow_sde.py)")
+    cfg_scale_gen: float = 4.0  # text classifier-free guidance of the reason stage's image
+    cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
+    negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
+    timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
+    # reflect + refine (odd steps)
+    reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
+    max_output_token_n_edit: int = 256  # max tokens of the reflection + edit instruction
+    num_timesteps_edit: int = 20  # flow steps of the refine stage's image
+    enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
+    max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
+    noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
+    cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
+    perfect_buffer_prob: float = 0.15  # a reflect step draws from the perfect (score 1) pool with this probability
+    # loss
+    ce_weight: float = 1.0  # weight of the text part
+    mse_weight: float = 2.0  # weight of the image part
+    kl_weight_text: float = 1e-3  # k3 KL of the text to the reference VLM
+    kl_weight_image: float = 1e-3  # KL of the SDE step to the reference generator
+    clip_range_text: float = 0.2  # text ratio clipped to [1 - c, 1 + c]
+    clip_range_image: float = 0.2  # image ratio clipped to [1 - c, 1 + c]
+    tune_text_cot: bool = True  # train the VLM on the text part
+    tune_image_cot: bool = True  # train the generator on the image part
+    scale_advantages: bool = False  # divide advantages by the group's std (R3: off)
+    # optimisation
+    learning_rate: float = 5e-6  # AdamW peak learning rate (both parts)
+    lr_scheduler_type: str = "constant_with_warmup"  # transformers LR schedule
+    warmup_steps: int = 10  # linear warm-up steps
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_epsilon: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # clip the global gradient norm; 0: no clipping
+    max_steps: int = 200  # optimizer steps
+    seed: int = 42  # seed of data order, text sampling, initial noise and SDE noise
+    cpu_threads: Optional[int] = None  # torch threads per process without a GPU; default: an even share
+    # run
+    output_dir: str = "outputs/mixgrpo"  # checkpoints, metrics, grids and config.yaml
+    logging_steps: int = 1  # log metrics every N steps
+    save_steps: int = 100  # checkpoint every N steps and at the end
+    save_total_limit: Optional[int] = None  # keep the newest N checkpoints; none: all
+    resume_from_checkpoint: Optional[str] = None  # checkpoint folder or latest; none: fresh
+    report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none
+    push_to_hub: bool = False  # upload every checkpoint to --hub_model_id
+    hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
+    log_completions: int = 4  # rollouts per logged step written to completions.jsonl
+    # held-out evaluation: greedy text, ODE image, more steps
+    eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
+    eval_num_timesteps: int = 30  # flow steps of the evaluation images
+    eval_steps: int = 0  # evaluate every N steps (0: only before and after training)
+    eval_before: bool = True  # also evaluate the starting policy
+
+
+def validate(cfg, num_processes):
+    """Flag combinations that cannot work fail here, before anything is loaded."""
+    if cfg.group_size < 2:
+        raise ValueError("--group_size must be >= 2 (a group of one has zero advantage)")
+    if cfg.policy_group_size < 1 or cfg.group_size % cfg.policy_group_size:
+        raise ValueError(f"--group_size {cfg.group_size} is not a multiple of --policy_group_size "
+                         f"{cfg.policy_group_size}")
+    if num_processes % cfg.policy_group_size:
+        raise ValueError(f"{num_processes} processes do not split into policy groups of --policy_group_size "
+                         f"{cfg.policy_group_size}")
+    if cfg.prompts_per_policy_group < 1:
+        raise ValueError("--prompts_per_policy_group must be >= 1")
+    if cfg.temperature <= 0:
+        raise ValueError("--temperature must be > 0 for GRPO sampling")
+    if cfg.num_timesteps_gen < 2:
+        raise ValueError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
+    if len(cfg.cfg_interval) != 2 or not 0 <= cfg.cfg_interval[0] < cfg.cfg_interval[1] <= 1:
+        raise ValueError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
+    if not (cfg.tune_text_cot or cfg.tune_image_cot):
+        raise ValueError("--tune_text_cot and --tune_image_cot are both off: nothing to train")
+    if cfg.tune_image_cot and not cfg.enable_sde_gen:
+        raise ValueError("--tune_image_cot needs --enable_sde_gen (ODE images carry no log-prob to train)")
+    if cfg.reflect_refine and not 1 <= cfg.max_sde_timestep_idx_for_edit <= cfg.num_timesteps_edit:
+        raise ValueError(f"--max_sde_timestep_idx_for_edit {cfg.max_sde_timestep_idx_for_edit} must lie in [1, "
+                         f"--num_timesteps_edit {cfg.num_timesteps_edit}]")
+    if not 0 <= cfg.perfect_buffer_prob <= 1:
+        raise ValueError(f"--perfect_buffer_prob {cfg.perfect_buffer_prob} must lie in [0, 1]")
+    if cfg.generator_lora_r < 1:
+        raise ValueError("--generator_lora_r must be >= 1 (full fine-tuning of the generator is not supported yet)")
+    if cfg.conditioning == "policy" and num_processes > 1:
+        raise ValueError("--conditioning policy is not supported yet with more than one process")
+    if cfg.reward_fn not in REWARDS and ":" not in cfg.reward_fn:
+        raise ValueError(f"--reward_fn {cfg.reward_fn!r}: expected one of {REWARDS} or module:function")
+    if cfg.dataset_name == "tiif" and cfg.reward_fn in REWARDS and cfg.reward_fn != "judge_tiif":
+        raise ValueError("--dataset_name tiif is scored by --reward_fn judge_tiif")
+    if cfg.dataset_name != "tiif" and cfg.reward_fn == "judge_tiif":
+        raise ValueError("--reward_fn judge_tiif needs --dataset_name tiif (yes/no question lists)")
+    for flag in ("train_data_path", "val_data_path"):
+        if getattr(cfg, flag) == TINY and cfg.dataset_name != "shapes_t2i":
+            raise ValueError(f"--{flag} tiny is the shapes_t2i prompt set; give a file for --dataset_name "
+                             f"{cfg.dataset_name}")
+    if cfg.push_to_hub and not cfg.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id")
+
+
+# ---- the tiny world (until the tiny shapes generator replaces the random one) ----
+
+TINY_QWENIMAGE = dict(vlm_hidden=32, layers=2, heads=3, head_dim=16, base_dim=24, seed=0)
+
+
+def resolve_tiny(cfg, accelerator):
+    """(VLM path, generator path, train prompts, held-out prompts), building the tiny pieces once."""
+    from tiny.pipelines import make_tiny_qwenimage
+    from tiny.t2i import make_t2i_prompts, write_jsonl
+
+    with accelerator.main_process_first():
+        gen = cfg.generator_name_or_path
+        if gen == TINY:
+            gen = _cached("tiny-qwenimage", TINY_QWENIMAGE, lambda out: make_tiny_qwenimage(out, **TINY_QWENIMAGE))
+        vlm = os.path.join(gen, "_vlm") if cfg.model_name_or_path == TINY else cfg.model_name_or_path
+        paths = []
+        for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
+            if value == TINY:
+                spec = dict(n=n, seed=seed)
+                value = os.path.join(_cached(f"t2i-prompts-{seed}", spec, lambda out: write_jsonl(
+                    make_t2i_prompts(n, seed=seed), os.path.join(out, "prompts.jsonl"))), "prompts.jsonl")
+            paths.append(value)
+    return vlm, gen, paths[0], paths[1]
+
+
+def load_prompts(cfg, path):
+    """Prompt rows of --dataset_name's schema; a bad row is an error naming the file, the row and the column."""
+    return load_tiif(path) if cfg.dataset_name == "tiif" else load_geneval(path)
+
+
+def build_reward(cfg):
+    """The image reward of --reward_fn; server rewards get the endpoint lists (rank r: endpoint r mod n)."""
+    options = dict(cfg.reward_kwargs)
+    if cfg.reward_fn == "geneval":
+        options.setdefault("reward_server_urls", cfg.reward_server_urls)
+        options.setdefault("reward_server_port", cfg.reward_server_port)
+    elif cfg.reward_fn in ("judge_geneval_plus", "judge_tiif"):
+        from rewards.common import process_rank
+        from rewards.geneval import server_endpoints
+
+        # An OpenAI-compatible judge serves /v1 (unlike the GenEval server, which serves "/").
+        endpoint = server_endpoints(cfg.reward_server_urls, cfg.reward_server_port)
+        endpoint = endpoint[process_rank() % len(endpoint)].rstrip("/")
+        options.setdefault("base_url", endpoint if endpoint.endswith("/v1") else endpoint + "/v1")
+    return get_reward(cfg.reward_fn, **options)
+
+
+# ---- the stage reward rules ----
+
+
+def reasoning_of(text):
+    """(format 0/1, the reasoning inside <think>..</think>, or the whole text when it is malformed)."""
+    match = THINK_RE.match(text)
+    return (1.0, match.group(1).strip()) if match else (0.0, text.strip())
+
+
+def reason_rewards(scores, formats, format_weight):
+    """Reason stage: text reward = score * fmt + w_fmt * fmt, image reward = score."""
+    scores, formats = torch.as_tensor(scores, dtype=torch.float32), torch.as_tensor(formats, dtype=torch.float32)
+    return scores * formats + format_weight * formats, scores.clone()
+
+
+def reflection_of(text):
+    """(format 0/1: non-empty text after </think>, the edit instruction, whether it says no further edit is needed).
+    Without a well-formed reflection the whole text is the instruction and the image is refined."""
+    _, closed, tail = text.partition("</think>")
+    instruction = tail.strip()
+    if not (closed and instruction):
+        return 0.0, text.strip(), False
+    return 1.0, instruction, NO_EDIT in instruction.lower()
+
+
+def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
+    """Reflect stage: improvement = score_new - score_prev, or 1 when score_prev = 1 and the edit says no further
+    edit is needed; text reward = w_fmt * fmt + improvement * fmt; image reward = score_new."""
+    new, prev = torch.as_tensor(scores_new, dtype=torch.float32), torch.as_tensor(scores_prev, dtype=torch.float32)
+    fmt, keep = torch.as_tensor(formats, dtype=torch.float32), torch.as_tensor(no_edit, dtype=torch.bool)
+    improvement = torch.where(keep & (prev >= 1.0), torch.ones_like(new), new - prev)
+    return format_weight * fmt + improvement * fmt, new.clone()
+
+
+def group_advantages(rewards, group_size, scale=False):
+    """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(-1, keepdim=True)
+    if scale:
+        adv = adv / (r.std(-1, keepdim=True) + 1e-4)
+    return adv.reshape(-1)
+
+
+def seeds_for(seed, stream, step, indices):
+    """Counter-based int64 seeds per (run seed, stream, step, index): the same on any number of processes."""
+    return completion_seeds(seed * 4 + stream, step, indices)
+
+
+def torch_generators(seeds, device):
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds.tolist()]
+
+
+# ---- rollouts for this process: text, then images ----
+
+
+def text_rollout(cfg, step, global_ids, messages, images, max_new_tokens, *, policy, processor, accelerator,
+                 stop_ids, suppress_ids, sample_ids):
+    """Sample one completion per message (counter-based seeds per rollout) and its behaviour log-probs at the
+    sampling temperature (R3 took them from the untempered softmax)."""
+    tokenizer = processor.tokenizer
+    batch = encode_prompts(processor, messages, images, sample_ids=sample_ids,
+                           max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+    with unwrap_for_generation(policy, accelerator) as unwrapped:
+        ids, mask = generate_completions(unwrapped.model, batch, row_seeds=seeds_for(cfg.seed, 0, step, global_ids),
+                                         max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                                         eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                                         suppress_token_ids=suppress_ids)
+    texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    with torch.no_grad():
+        old_logps = policy(batch, ids, mask, cfg.temperature)
+    return dict(batch=batch, ids=ids, mask=mask, texts=texts, old_logps=old_logps, global_ids=global_ids)
+
+
+def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
+                  noise_level, guidance):
+    """Images for each prompt's share: the group shares the initial noise and one SDE step index (uniform in
+    [0, sde_range)), each rollout has its own SDE noise; every other step is ODE. Returns (PIL images, steps,
+    SDE step index per image)."""
+    per = cfg.group_size // cfg.policy_group_size
+    images, steps, sde_index = [], [], []
+    for k, q in enumerate(prompt_ids):
+        part = torch.arange(k * per, (k + 1) * per)
+        noise_gen = torch.Generator(device=device).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
+        noise = gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen).repeat(per, 1, 1)
+        pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 2, step, [q])[0]))
+        index = int(torch.randint(0, sde_range, (1,), generator=pick))
+        out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=[index] if enable_sde else [],
+                     guidance=guidance, noise_level=noise_level, noise_cap=cfg.noise_cap, shift=cfg.timestep_shift,
+                     generator=torch_generators(seeds_for(cfg.seed, 3, step, global_ids[k * per:(k + 1) * per]),
+                                                device),
+                     latents=noise, output_type="pil")
+        images += out.images
+        steps += out.steps
+        sde_index += [index] * per
+    return images, (SDEStep.cat(steps) if steps else None), torch.tensor(sde_index, dtype=torch.float32)
+
+
+def score_images(cfg, reward_fn, texts, images, rows):
+    """The image reward per image; a reward that returns no score is an error, never a 0."""
+    columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
+    scores = reward_fn(texts, images=images, **columns)
+    missing = [i for i, s in enumerate(scores) if s is None]
+    if missing:
+        raise RuntimeError(f"reward {cfg.reward_fn} returned no score for prompt {rows[missing[0]]['prompt']!r}")
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def user_message(text, with_image=False):
+    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
+                   suppress_ids, reward_fn):
+    """Reason stage for this process's share of each of its prompts: reasoning, then an image conditioned on the
+    prompt + reasoning. prompt_ids: global prompt slots; rollout j of this process is prompt * G + offset + j."""
+    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
+    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+    local_rows = [rows[k] for k in range(len(prompt_ids)) for _ in range(per)]
+    roll = text_rollout(cfg, step, global_ids, [user_message(REASON_PROMPT.format(prompt=r["prompt"]))
+                                                for r in local_rows],
+                        [[] for _ in local_rows], cfg.max_output_token_n_gen, policy=policy, processor=processor,
+                        accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
+                        sample_ids=[repr(r["prompt"]) for r in local_rows])
+    parsed = [reasoning_of(t) for t in roll["texts"]]
+    image_prompts = [f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(local_rows, parsed)]
+    cond = gen.encode_condition(image_prompts, height=cfg.image_size, width=cfg.image_size,
+                                negative_prompt=cfg.negative_prompt)
+    images, steps, sde_index = image_rollout(
+        cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
+        sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
+        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)))
+    scores = score_images(cfg, reward_fn, roll["texts"], images, local_rows)
+    formats = torch.tensor([f for f, _ in parsed])
+    text_r, image_r = reason_rewards(scores, formats, cfg.format_weight)
+    return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
+                sde_index=sde_index, rows=local_rows, text_rewards=text_r, image_rewards=image_r,
+                image_mask=torch.ones(len(images)))
+
+
+def build_buffer(accelerator, roll):
+    """The reason step's (metadata, score, image) entries of all processes, in rollout order, split into the
+    perfect (score 1) and imperfect pools. Every process holds the same buffer."""
+    entries = [dict(id=int(i), row=r, score=float(s), image=im)
+               for i, r, s, im in zip(roll["global_ids"], roll["rows"], roll["scores"], roll["images"])]
+    gathered = sorted((e for part in gather_object([entries]) for e in part), key=lambda e: e["id"])
+    return dict(perfect=[e for e in gathered if e["score"] >= 1.0], imperfect=[e for e in gathered if e["score"] < 1.0])
+
+
+def draw_entry(buffer, cfg, step, slot):
+    """One buffer entry for a policy group's prompt slot: the perfect pool with probability
+    --perfect_buffer_prob, else the imperfect one (the other pool when one is empty); seeded by (seed, step, slot)."""
+    rng = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 4, step, [slot])[0]))
+    perfect = bool(torch.rand(1, generator=rng) < cfg.perfect_buffer_prob)
+    pool = buffer["perfect"] if (perfect and buffer["perfect"]) or not buffer["imperfect"] else buffer["imperfect"]
+    return pool[int(torch.randint(len(pool), (1,), generator=rng))]
+
+
+def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
+                    suppress_ids, reward_fn):
+    """Reflect + refine for this process's share: the VLM sees a buffered image and writes a reflection and an edit
+    instruction (or "no further edit needed"); the generator refines the image through its image-conditioned path.
+    With no edit the output is the input image, its score is kept and its image advantage is 0."""
+    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
+    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+    entries = [draw_entry(buffer, cfg, step, q) for q in prompt_ids]
+    local = [entries[k] for k in range(len(prompt_ids)) for _ in range(per)]
+    rows = [e["row"] for e in local]
+    roll = text_rollout(cfg, step, global_ids, [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True)
+                                                for r in rows],
+                        [[e["image"]] for e in local], cfg.max_output_token_n_edit, policy=policy, processor=processor,
+                        accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
+                        sample_ids=[f"buffer entry {e['id']}" for e in local])
+    parsed = [reflection_of(t) for t in roll["texts"]]
+    cond = gen.encode_condition([f"{r['prompt']}\n{instruction}" for r, (_, instruction, _) in zip(rows, parsed)],
+                                images=[e["image"] for e in local], height=cfg.image_size, width=cfg.image_size,
+                                negative_prompt=cfg.negative_prompt)
+    images, steps, sde_index = image_rollout(
+        cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
+        num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
+        enable_sde=cfg.enable_sde_edit, noise_level=cfg.noise_level_edit,
+        guidance=Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval)))
+    no_edit = torch.tensor([keep for _, _, keep in parsed])
+    images = [e["image"] if keep else im for e, im, keep in zip(local, images, no_edit.tolist())]
+    prev = torch.tensor([e["score"] for e in local])
+    scores = prev.clone()
+    edited = [i for i, keep in enumerate(no_edit.tolist()) if not keep]
+    if edited:
+        scores[edited] = score_images(cfg, reward_fn, [roll["texts"][i] for i in edited], [images[i] for i in edited],
+                                      [rows[i] for i in edited])
+    formats = torch.tensor([f for f, _, _ in parsed])
+    text_r, image_r = reflect_rewards(scores, prev, formats, no_edit, cfg.format_weight)
+    return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
+                sde_index=sde_index, rows=rows, text_rewards=text_r, image_rewards=image_r,
+                image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
+
+
+def gather_by_index(accelerator, values, global_ids, total):
+    """Every process's per-rollout values placed at their global rollout index: [total] on every process."""
+    ids = accelerator.gather(torch.tensor(global_ids, device=accelerator.device))
+    vals = accelerator.gather(values.to(accelerator.device).float())
+    out = torch.full((total,), float("nan"), device=accelerator.device)
+    out[ids] = vals
+    return out.cpu()
+
+
+def image_logprobs(gen, cond, steps, *, reference=False):
+    """The SDE steps' (log-prob, mean, std) recomputed with the rollout's guidance (CFG kept); reference: LoRA off."""
+    if reference:
+        with torch.no_grad(), gen.reference():
+            return step_logprob(gen, cond, steps)
+    return step_logprob(gen, cond, steps)
+
+
+def build_policy(cfg, vlm_path, gen_path, device):
+    """(VLM, processor, CompletionLogProbs(VLM), generator with LoRA, generator LoRA parameters)."""
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                                                freeze_vision_tower=cfg.freeze_vision_tower,
+                                                max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
+    model = prepare_for_training(model, cfg)
+    gen = load_flow_generator(gen_path, dtype=dtype, device=device, conditioning=cfg.conditioning,
+                              components={"text_encoder": hf_core(model), "tokenizer": processor.tokenizer,
+                                          "processor": processor})
+    joint = gen.transformer.config.joint_attention_dim
+    hidden = hf_core(model).config.get_text_config().hidden_size
+    if joint != hidden:
+        raise ValueError(f"--generator_name_or_path reads {joint}-dim text states but --model_name_or_path has "
+                         f"hidden size {hidden}")
+    gen_params = gen.add_lora(cfg.generator_lora_r, alpha=cfg.generator_lora_alpha)
+    if cfg.gradient_checkpointing:
+        gen.enable_gradient_checkpointing()
+    gen.cfg_batched = True  # one transformer forward per backward (DDP) for both CFG branches
+    gen.edit_area = cfg.image_size ** 2  # refine at the generated size (the edit pipeline's own: 1024 x 1024)
+    return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
+
+
+def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
+    """ce_weight * (token clipped surrogate / the step's text tokens + kl_weight_text * k3)
+    + mse_weight * (clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL).
+    Normalisers span all processes (DDP averages the gradients, hence the world factor). Returns (loss, stats)."""
+    loss, stats = torch.zeros((), device=roll["ids"].device), {}
+    if cfg.tune_text_cot:
+        logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
+        text_loss, st = clipped_policy_loss(logps, roll["old_logps"], adv_text, roll["mask"],
+                                            epsilon_low=cfg.clip_range_text, beta=cfg.kl_weight_text,
+                                            ref_logps=ref_logps, loss_type="dapo", num_items_in_batch=text_tokens,
+                                            num_processes=world)
+        loss = loss + cfg.ce_weight * text_loss
+        stats.update(loss_text=text_loss.detach(), kl_text=st["kl"], clip_ratio_text=st["clip_ratio"],
+                     ratio_max_dev_text=st["ratio_max_dev"])
+    if cfg.tune_image_cot and roll["steps"] is not None:
+        steps = roll["steps"]
+        logp, mean, std = image_logprobs(gen, roll["cond"], steps)
+        ones = roll["image_mask"].to(logp)[:, None]  # refine samples without an edit are not trained
+        n = torch.tensor(float(n_images), device=logp.device)
+        surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv_image, ones,
+                                            epsilon_low=cfg.clip_range_image, loss_type="dapo",
+                                            num_items_in_batch=n, num_processes=world)
+        kl = (image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)) * ones[:, 0]
+        image_loss = surrogate + cfg.kl_weight_image * kl.sum() / (n / world)
+        loss = loss + cfg.mse_weight * image_loss
+        stats.update(loss_image=image_loss.detach(), kl_image=kl.detach().sum() / ones.sum().clamp(min=1),
+                     clip_ratio_image=st["clip_ratio"], ratio_max_dev_image=st["ratio_max_dev"])
+    return loss, stats
+
+
+def main(cfg: MixGRPOConfig):
+    # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no",
+                              log_with=_trackers(cfg.report_to), project_dir=cfg.output_dir,
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    validate(cfg, accelerator.num_processes)
+    set_cpu_threads(cfg.cpu_threads)
+    set_seed(cfg.seed)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    G, P, K = cfg.group_size, cfg.policy_group_size, cfg.prompts_per_policy_group
+    n_groups, group, member = world // P, rank // P, rank % P
+    prompts_per_step = n_groups * K
+    total = prompts_per_step * G
+
+    # ---- data and reward (checked before any model is loaded) ----
+    vlm_path, gen_path, train_path, val_path = resolve_tiny(cfg, accelerator)
+    train_rows = load_prompts(cfg, train_path)
+    val_rows = load_prompts(cfg, val_path) if val_path else None
+    if val_rows is not None and cfg.eval_samples:
+        val_rows = val_rows[: cfg.eval_samples]
+    reward_fn = build_reward(cfg)
+
+    # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
+    model, processor, policy, gen, gen_params = build_policy(cfg, vlm_path, gen_path, accelerator.device)
+    tokenizer = processor.tokenizer
+    stop_ids = stop_token_ids(model, tokenizer)
+    suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
+    if not cfg.tune_text_cot:
+        policy.requires_grad_(False)
+    if not cfg.tune_image_cot:
+        for p in gen_params:
+            p.requires_grad_(False)
+    groups = []
+    if cfg.tune_text_cot:
+        groups.append({"params": [p for p in policy.parameters() if p.requires_grad]})
+    if cfg.tune_image_cot:
+        groups.append({"params": gen_params})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
+                              num_training_steps=cfg.max_steps)
+    if cfg.tune_text_cot:
+        policy = accelerator.prepare(policy)
+    if cfg.tune_image_cot:
+        gen.denoiser = accelerator.prepare(gen.transformer)
+    optimizer = accelerator.prepare(optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    ref_policy = (prepare_reference_model(cfg, vlm_path, policy, accelerator)
+                  if cfg.kl_weight_text and cfg.tune_text_cot else None)
+
+    # ---- resume ----
+    global_step, state, buffer = 0, {}, None
+    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if resume_path:
+        state = load_checkpoint(accelerator, resume_path)
+        global_step = state["global_step"]
+        if os.path.isfile(os.path.join(resume_path, "reflect_buffer", "buffer.pt")):  # the next step reflects on it
+            buffer = torch.load(os.path.join(resume_path, "reflect_buffer", "buffer.pt"), weights_only=False)
+        accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    sampler = SeededSampler(len(train_rows), seed=cfg.seed)
+    if state:
+        sampler.load_state_dict(state["sampler"])
+    if accelerator.is_main_process:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
+                       total_steps=cfg.max_steps, start_step=global_step)
+    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+
+    def evaluate(tag):
+        result = evaluate_reason(cfg, val_rows, policy=policy, processor=processor, gen=gen, accelerator=accelerator,
+                                 stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn,
+                                 grid_path=os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
+        logger.log(global_step, {f"heldout/{k}": v for k, v in result.items()})
+        return result
+
+    heldout_before = state.get("heldout_before")
+    if val_rows is not None and cfg.eval_before and global_step == 0:
+        heldout_before = evaluate("before")
+        accelerator.print(f"held-out reward before: {heldout_before['reward']:.4f} ({len(val_rows)} prompts)")
+    train_start = time.perf_counter()
+
+    while global_step < cfg.max_steps:
+        t_step = time.perf_counter()
+        # ---- 1. rollout: even steps reason, odd steps reflect on a buffered image and refine it ----
+        stage = "reflect" if cfg.reflect_refine and global_step % 2 == 1 else "reason"
+        mine = list(range(group * K, (group + 1) * K))  # global prompt slots of this policy group
+        common = dict(rank_in_group=member, policy=policy, processor=processor, gen=gen, accelerator=accelerator,
+                      stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn)
+        policy.eval()
+        if stage == "reason":
+            prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+            roll = reason_rollout(cfg, global_step, mine, [train_rows[prompt_idx[q]] for q in mine], **common)
+            if cfg.reflect_refine:
+                buffer = build_buffer(accelerator, roll)
+        else:
+            roll = reflect_rollout(cfg, global_step, mine, buffer, **common)
+
+        # ---- 2. rewards and advantages over whole policy groups (gathered across processes) ----
+        all_text = gather_by_index(accelerator, roll["text_rewards"], roll["global_ids"], total)
+        all_image = gather_by_index(accelerator, roll["image_rewards"], roll["global_ids"], total)
+        local = torch.tensor(roll["global_ids"])
+        adv_text = group_advantages(all_text, G, cfg.scale_advantages)[local].to(accelerator.device)
+        adv_image = (group_advantages(all_image, G, cfg.scale_advantages)[local] * roll["image_mask"]).to(
+            accelerator.device)  # no edit: advantage 0
+        with torch.no_grad():
+            ref_logps = ref_policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if ref_policy else None
+            ref_mean = (image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
+                        if cfg.tune_image_cot and cfg.kl_weight_image and roll["steps"] is not None else None)
+        text_tokens = accelerator.reduce(roll["mask"].sum().float(), "sum")
+
+        # ---- 3. one optimizer step on both parts ----
+        policy.train()
+        loss, stats = mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, ref_logps=ref_logps,
+                                   ref_mean=ref_mean, text_tokens=text_tokens, n_images=total, world=world)
+        accelerator.backward(loss)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else None
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        global_step += 1
+
+        # ---- 4. log ----
+        if global_step % cfg.logging_steps == 0 or global_step == cfg.max_steps:
+            fmt = gather_by_index(accelerator, roll["formats"], roll["global_ids"], total)
+            scores = gather_by_index(accelerator, roll["scores"], roll["global_ids"], total)
+            metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(),
+                       f"{stage}/text_reward": all_text.mean(),
+                       f"{stage}/image_reward": all_image.mean(), f"{stage}/score": scores.mean(),
+                       f"{stage}/format": fmt.mean(),
+                       f"{stage}/text_advantage_abs": group_advantages(all_text, G, cfg.scale_advantages).abs().mean(),
+                       f"{stage}/image_advantage_abs": gather_by_index(accelerator, adv_image, roll["global_ids"],
+                                                                        total).abs().mean(),
+                       f"{stage}/completion_length": accelerator.gather(roll["mask"].sum(-1)).float().mean(),
+                       f"{stage}/sde_step": roll["sde_index"].mean(),
+                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                       "learning_rate": scheduler.get_last_lr()[0], "step_time": time.perf_counter() - t_step}
+            if stage == "reflect":
+                metrics["reflect/no_edit"] = gather_by_index(accelerator, roll["no_edit"], roll["global_ids"],
+                                                             total).mean()
+                metrics["reflect/improvement"] = (scores - gather_by_index(
+                    accelerator, roll["score_prev"], roll["global_ids"], total)).mean()
+            for k, v in stats.items():
+                reduced = accelerator.reduce(v.float(), "max" if k.startswith("ratio_max_dev") else "mean")
+                metrics[f"{stage}/{k}"] = reduced.item()
+            logger.log(global_step, metrics)
+            logger.log_completions(global_step, [
+                dict(id=int(i), stage=stage, prompt=r["prompt"], completion=t, score=float(s), text_reward=float(tr))
+                for i, r, t, s, tr in zip(roll["global_ids"], roll["rows"], roll["texts"], roll["scores"],
+                                          roll["text_rewards"])
+            ][: cfg.log_completions])
+        if val_rows is not None and cfg.eval_steps and global_step % cfg.eval_steps == 0 \
+                and global_step < cfg.max_steps:
+            evaluate(f"step{global_step}")
+
+        # ---- 5. checkpoint (atomic: both parts, optimizer, scheduler, sampler, RNG) ----
+        if global_step % cfg.save_steps == 0 or global_step == cfg.max_steps:
+            unwrapped_gen = accelerator.unwrap_model(gen.denoiser)
+            path = save_checkpoint(
+                accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
+                extra_state=dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before),
+                save_total_limit=cfg.save_total_limit,
+                extra_saves={"generator_lora": unwrapped_gen.save_lora_adapter,
+                             **({"reflect_buffer": lambda d: save_buffer(buffer, d)} if buffer is not None else {})})
+            if uploader:
+                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics,
+                              base_model=f"{vlm_path} + {gen_path}", script="train_mixgrpo.py")
+
+    summary = dict(global_step=global_step, train_runtime=time.perf_counter() - train_start,
+                   peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
+    if val_rows is not None:
+        after = evaluate("after")
+        summary.update(heldout_reward_after=after["reward"])
+        if heldout_before:
+            summary.update(heldout_reward_before=heldout_before["reward"])
+            accelerator.print(f"held-out reward (reason): before {heldout_before['reward']:.4f} -> after "
+                              f"{after['reward']:.4f} ({len(val_rows)} prompts)")
+    logger.close()
+    if accelerator.is_main_process:
+        write_summary(cfg.output_dir, summary)
+        if uploader:
+            uploader.wait()
+    accelerator.end_training()
+    return dict(policy=policy, gen=gen)
+
+
+def save_buffer(buffer, folder):
+    """The reflect buffer (metadata, score, PIL image per entry), so that a run resumed before a reflect step
+    reflects on the same images."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save(buffer, os.path.join(folder, "buffer.pt"))
+
+
+def _trackers(report_to):
+    from utils.tracking import tracker_list
+
+    return tracker_list(report_to)
+
+
+@torch.no_grad()
+def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
+                    grid_path):
+    """Held-out reason stage: greedy reasoning, ODE image with --eval_num_timesteps from noise seeded by the row,
+    scored by --reward_fn; rows are shared out over the processes. Writes a grid PNG. Returns mean reward/format."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    tokenizer = processor.tokenizer
+    mine = list(range(rank, len(rows), world))
+    results = []
+    was_training = policy.training
+    policy.eval()
+    for start in range(0, len(mine), 16):
+        idx = mine[start:start + 16]
+        batch_rows = [rows[i] for i in idx]
+        messages = [[{"role": "user", "content": [{"type": "text", "text": REASON_PROMPT.format(prompt=r["prompt"])}]}]
+                    for r in batch_rows]
+        batch = encode_prompts(processor, messages, [[] for _ in idx], sample_ids=[f"held-out row {i}" for i in idx],
+                               max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+        with unwrap_for_generation(policy, accelerator) as unwrapped:
+            ids, mask = generate_completions(unwrapped.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
+                                             max_new_tokens=cfg.max_output_token_n_gen, eos_token_id=stop_ids,
+                                             pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
+        texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+        parsed = [reasoning_of(t) for t in texts]
+        cond = gen.encode_condition([f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(batch_rows, parsed)],
+                                    height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt)
+        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size,
+                                               torch.Generator(device=accelerator.device).manual_seed(cfg.seed + i))
+                           for i in idx])
+        out = sample(gen, cond, num_steps=cfg.eval_num_timesteps, guidance=Guidance(cfg.cfg_scale_gen,
+                                                                                     interval=tuple(cfg.cfg_interval)),
+                     shift=cfg.timestep_shift, latents=noise, output_type="pil")
+        columns = {key: [r.get(key) for r in batch_rows] for key in sorted({k for r in batch_rows for k in r})}
+        scores = reward_fn(texts, images=out.images, **columns)
+        if any(s is None for s in scores):
+            raise RuntimeError(f"reward {cfg.reward_fn} returned no score on a held-out image")
+        results += [(i, float(s), f, im) for i, s, (f, _), im in zip(idx, scores, parsed, out.images)]
+    policy.train(was_training)
+    gathered = sorted((r for part in gather_object([[(i, s, f) for i, s, f, _ in results]]) for r in part))
+    if accelerator.is_main_process:
+        grid_images = [im for i, _, _, im in sorted(results, key=lambda r: r[0])][:64]
+        if grid_images:
+            save_grid(grid_images, grid_path)
+    return dict(reward=sum(s for _, s, _ in gathered) / len(gathered),
+                format=sum(f for _, _, f in gathered) / len(gathered), samples=len(gathered))
+
+
+def save_grid(images, path, columns=8):
+    """Paste PIL images into one grid PNG (rank 0's share of the held-out images, in row order)."""
+    from PIL import Image
+
+    w, h = images[0].size
+    rows = math.ceil(len(images) / columns)
+    grid = Image.new("RGB", (w * min(columns, len(images)), h * rows), "white")
+    for n, im in enumerate(images):
+        grid.paste(im.convert("RGB"), ((n % columns) * w, (n // columns) * h))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    grid.save(path)
+    return path
+
+
+if __name__ == "__main__":
+    relaunch_multi_cpu_if_needed()
+    main(parse_config(MixGRPOConfig, sys.argv[1:] or ["--config", TINY_MIXGRPO_RECIPE]))
