@@ -38,6 +38,7 @@ import yaml
 
 from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET
 from utils.config import ConfigError, choice, parse_config, save_config
+from utils.serving import die_with_parent
 
 TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
 STAGE_FILE = "stage.json"
@@ -195,7 +196,7 @@ class Runner:
         start = time.monotonic()
         with open(os.path.join(folder, "stage.log"), "a", encoding="utf-8") as log:
             self.child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, bufsize=1, preexec_fn=_die_with_parent)
+                                          text=True, bufsize=1, preexec_fn=die_with_parent)
             for line in self.child.stdout:
                 sys.stdout.write(line)
                 log.write(line)
@@ -216,16 +217,6 @@ class Runner:
             json.dump(record, f, indent=2)
         os.replace(os.path.join(folder, STAGE_FILE + ".tmp"), os.path.join(folder, STAGE_FILE))
         return record
-
-
-def _die_with_parent():
-    """The stage's process gets SIGKILL when iterate dies, however it dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def final_checkpoint(folder):

@@ -28,6 +28,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def die_with_parent():
+    """For `preexec_fn`: the child gets SIGKILL when the process that started it dies, however it dies (Linux;
+    elsewhere a no-op), so a killed run leaves no server or stage behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
 def _require_serving():
     from transformers.utils.import_utils import is_serve_available
 
@@ -39,9 +50,9 @@ def _require_serving():
 class LocalServer:
     """`transformers serve MODEL` on 127.0.0.1:<free port>, pinned to that model (its name is the path given).
 
-    Starts in `__enter__` (or `start()`), returns once `/health` answers and the model is loaded, and stops the
-    server (SIGTERM, then SIGKILL) on exit. The server's output goes to `log_path` (default: a file next to
-    nothing, i.e. discarded) and its last lines are in any start error. `threads` sets the server's torch
+    Starts in `__enter__` (or `start()`), returns once `/v1/models` lists the loaded model, and stops the server
+    (SIGTERM, then SIGKILL) on exit; it also dies with the process that started it. Its output goes to
+    `log_path` (default: discarded) and the end of that log is in any start error. `threads` sets its torch
     threads on the CPU.
     """
 
@@ -67,7 +78,8 @@ class LocalServer:
                "--port", str(self.port), "--device", self.device]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # Its own session, so stopping it stops every process it started.
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        preexec_fn=die_with_parent)
         if log is not subprocess.DEVNULL:
             log.close()
         deadline = time.monotonic() + self.startup_timeout
