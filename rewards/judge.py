@@ -71,14 +71,19 @@ class JudgeClient:
             self._local.session = requests.Session()
         return self._local.session
 
-    def chat(self, prompt: str, image: Any = None) -> str:
-        """One user turn (image first, then text); returns the assistant's text."""
+    def chat(self, prompt: str, image: Any = None, *, reasoning: bool = False, **params) -> str:
+        """One user turn (image first, then text); returns the assistant's text.
+
+        `params` go into the request body over the client's defaults (e.g. seed, top_p, temperature). With
+        `reasoning`, a reply whose server split the chain of thought off (`reasoning_content`, as vLLM's
+        reasoning parsers and `transformers serve` do) comes back whole: `<think>{reasoning}</think>{content}`.
+        """
         content: list[dict] = []
         if image is not None:
             content.append({"type": "image_url", "image_url": {"url": image_data_url(image)}})
         content.append({"type": "text", "text": prompt})
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
-                "temperature": self.temperature, "max_tokens": self.max_tokens}
+                "temperature": self.temperature, "max_tokens": self.max_tokens, **params}
         headers = {"Authorization": f"Bearer {self.api_key}"}
         last_error = None
         for attempt in range(self.max_retries + 1):
@@ -97,11 +102,15 @@ class JudgeClient:
             if response.status_code != 200:
                 raise JudgeError(f"judge {self.url} answered HTTP {response.status_code}: {response.text[-300:]}")
             try:
-                text = response.json()["choices"][0]["message"]["content"]
+                message = response.json()["choices"][0]["message"]
+                text = message["content"]
             except (ValueError, KeyError, IndexError, TypeError) as e:
                 raise JudgeError(f"judge {self.url} replied with no choices[0].message.content: "
                                  f"{response.text[:300]}") from e
-            return text or ""
+            if not isinstance(text, (str, type(None))):
+                raise JudgeError(f"judge {self.url} replied with a non-text message content: {response.text[:300]}")
+            thought = (message.get("reasoning_content") or message.get("reasoning")) if reasoning else None
+            return f"<think>{thought}</think>{text or ''}" if thought else text or ""
         raise JudgeError(f"judge {self.url} failed after {self.max_retries + 1} attempts "
                          f"(timeout={self.timeout}s); last error: {last_error}")
 

@@ -25,3 +25,23 @@ def _keep_torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def distill_world(tmp_path_factory):
+    """(questions.jsonl, its rows, a tiny reasoner that knows their chains by heart): tests/distill_helpers.py."""
+    from tests.distill_helpers import train_memorized_reasoner, write_questions
+
+    folder = tmp_path_factory.mktemp("distill-world")
+    path, rows = write_questions(str(folder))
+    return path, rows, train_memorized_reasoner(rows, str(folder / "reasoner"))
+
+
+@pytest.fixture(scope="session")
+def reasoner_server(distill_world, tmp_path_factory):
+    """`transformers serve` of that reasoner on 127.0.0.1, for the whole session."""
+    from utils.serving import LocalServer
+
+    log = str(tmp_path_factory.mktemp("reasoner-server") / "server.log")
+    with LocalServer(distill_world[2], device="cpu", log_path=log) as server:
+        yield server

@@ -1,8 +1,10 @@
-"""The tiny built-in recipe: a from-scratch tiny VLM and the synthetic shapes data, built on first
-use and cached under outputs/tiny-cache/ (docs/tiny.md says what such a model can learn).
+"""The tiny built-in recipes: a from-scratch tiny VLM, the synthetic shapes data and the small models trained
+from them, built on first use and cached under outputs/tiny-cache/ (docs/tiny.md says what such a model can
+learn).
 
-`--model_name_or_path tiny` and `--dataset_name synthetic:shapes` resolve here; anything else is
-passed through untouched.
+Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-base` and `tiny-reasoner` (the OpenVLThinker
+cycle's base VLM and text reasoner, tiny/cycle.py) and `--dataset_name synthetic:shapes` resolve here;
+anything else is passed through untouched.
 """
 
 import hashlib
@@ -13,9 +15,14 @@ import shutil
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = "tiny"
 TINY_SFT_MODEL = "tiny-sft"  # the tiny VLM after train_sft.py's tiny recipe: the warm start of tiny GRPO
+TINY_BASE_MODEL = "tiny-base"  # the tiny VLM pre-trained to describe scenes: the cycle's base and captioner
+TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason over scene descriptions
+TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-sft
 TINY_DATASET = "synthetic:shapes"
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
+TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "tiny_base.yaml")
+TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "tiny_reasoner.yaml")
 CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-cache"))
 
 # Train and held-out splits come from different seeds, so no held-out image is seen in training.
@@ -24,18 +31,27 @@ CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-ca
 SHAPES_KINDS = ["count", "count_color"]
 SHAPES_SPLITS = {"train": dict(n=4000, seed=0, kinds=SHAPES_KINDS), "test": dict(n=256, seed=1, kinds=SHAPES_KINDS)}
 TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, vision_depth=2, image_size=84, seed=0)
+TINY_LLM = dict(hidden_size=128, num_hidden_layers=2, seed=0)
+
+
+def _key(spec):
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _cached(name, spec, build):
-    """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename)."""
-    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    path = os.path.join(CACHE_DIR, f"{name}-{key}")
+    """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename; a failed
+    build leaves nothing behind)."""
+    path = os.path.join(CACHE_DIR, f"{name}-{_key(spec)}")
     if os.path.isdir(path):
         return path
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    build(tmp)
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
@@ -49,6 +65,12 @@ def tiny_vlm_path():
     return _cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
 
 
+def tiny_llm_path():
+    from tiny.models import make_tiny_llm
+
+    return _cached("tiny-llm", TINY_LLM, lambda out: make_tiny_llm(out, **TINY_LLM))
+
+
 def shapes_dataset_path():
     from datasets import DatasetDict
 
@@ -60,25 +82,25 @@ def shapes_dataset_path():
     return _cached("shapes", SHAPES_SPLITS, build)
 
 
-def tiny_sft_path():
-    """The warm start: train_sft.py's tiny recipe, run once (in its own process) and reused while the
-    recipe, the tiny model and the data stay the same."""
+def _trained(name, recipe, spec, args=()):
+    """train_sft.py's `recipe` (plus `args`), run once in its own process and reused while the recipe and `spec`
+    stay the same; returns the run's last checkpoint."""
     import subprocess
     import sys
 
-    with open(TINY_SFT_RECIPE) as f:
-        spec = {"recipe": f.read(), "model": TINY_VLM, "data": SHAPES_SPLITS}
+    with open(recipe) as f:
+        spec = {"recipe": f.read(), **spec}
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    marker = os.path.join(CACHE_DIR, f"tiny-sft-{key}.json")
+    marker = os.path.join(CACHE_DIR, f"{name}-{key}.json")
     if os.path.exists(marker):
         with open(marker) as f:
             path = json.load(f)["checkpoint"]
         if os.path.isdir(path):
             return path
-    out = os.path.join(CACHE_DIR, f"tiny-sft-{key}")
-    print(f"warm start: training the tiny VLM with train_sft.py into {out} (once; cached afterwards)", flush=True)
-    subprocess.run([sys.executable, os.path.join(REPO, "train_sft.py"), "--config", TINY_SFT_RECIPE,
-                    "--output_dir", out], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
+    out = os.path.join(CACHE_DIR, f"{name}-{key}")
+    print(f"{name}: training with train_sft.py into {out} (once; cached afterwards)", flush=True)
+    subprocess.run([sys.executable, os.path.join(REPO, "train_sft.py"), "--config", recipe, "--output_dir", out,
+                    *args], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
     from utils.checkpoint import latest_checkpoint
 
     path = latest_checkpoint(out)
@@ -89,10 +111,110 @@ def tiny_sft_path():
     return path
 
 
+def tiny_sft_path():
+    """The warm start of tiny GRPO: train_sft.py's tiny recipe on the tiny VLM and the shapes data."""
+    return _trained("tiny-sft", TINY_SFT_RECIPE, {"model": TINY_VLM, "data": SHAPES_SPLITS})
+
+
+def _source(module):
+    """A module's source: part of a cache key, so changed row builders rebuild what was made with them."""
+    import importlib
+    import inspect
+
+    return inspect.getsource(importlib.import_module(module))
+
+
+def _sharegpt_folder(name, spec, make_rows):
+    """A save_to_disk folder of sharegpt rows (messages, and images when the rows have them) from the shapes
+    training split, cached by `spec`."""
+    def build(out):
+        import datasets
+
+        from utils.data import load_table
+
+        train = load_table(shapes_dataset_path(), split="train")
+        rows = make_rows([train[i] for i in range(len(train))])
+        message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+        features = {"id": datasets.Value("string"), "messages": datasets.List(message)}
+        if "images" in rows[0]:
+            features["images"] = datasets.List(datasets.Image())
+        datasets.Dataset.from_list(rows, features=datasets.Features(features)).save_to_disk(out)
+
+    return _cached(name, spec, build)
+
+
+def tiny_base_path():
+    """The tiny cycle's base VLM: the tiny VLM trained to describe the shapes scenes (tiny/cycle.py)."""
+    from tiny.cycle import caption_rows
+
+    spec = {"model": TINY_VLM, "data": SHAPES_SPLITS, "rows": _source("tiny.cycle"),
+            "prompts": _source("utils.prompts")}
+    data = _sharegpt_folder("captions", spec, caption_rows)
+    return _trained("tiny-base", TINY_BASE_RECIPE, spec, ["--model_name_or_path", tiny_vlm_path(),
+                                                           "--dataset_name", data])
+
+
+def tiny_reasoner_path():
+    """The tiny cycle's text reasoner: the tiny LLM trained to answer counting questions from scene
+    descriptions, a share of its chains with a reflection (tiny/cycle.py)."""
+    from tiny.cycle import reasoner_rows
+
+    spec = {"model": TINY_LLM, "data": SHAPES_SPLITS, "rows": _source("tiny.cycle"),
+            "prompts": _source("utils.prompts")}
+    data = _sharegpt_folder("reasoner-chains", spec, reasoner_rows)
+    return _trained("tiny-reasoner", TINY_REASONER_RECIPE, spec, ["--model_name_or_path", tiny_llm_path(),
+                                                                   "--dataset_name", data])
+
+
+TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_BASE_MODEL: tiny_base_path,
+               TINY_REASONER_MODEL: tiny_reasoner_path}
+
+
+def resolve_tiny_name(name):
+    """The folder of a tiny model name (built on first use); any other name or path unchanged."""
+    return TINY_MODELS[name]() if name in TINY_MODELS else name
+
+
+def _tiny_sft_spec():
+    with open(TINY_SFT_RECIPE) as f:
+        return {"recipe": f.read(), "model": TINY_VLM, "data": SHAPES_SPLITS}
+
+
+def _text_encoder_spec(name):
+    if name == TINY_SFT_MODEL:
+        return {"tiny-sft": _tiny_sft_spec()}
+    if name == TINY_MODEL:
+        return {"tiny": TINY_VLM}
+    return {"path": os.path.abspath(name)}
+
+
+def tiny_generator_path(**overrides):
+    """The tiny text-to-image generator: tiny/generator.py's defaults (or `overrides` of its config), pre-trained
+    once in its own process (torch threads pinned by the config) and reused while the config and the text
+    encoder's spec stay the same. Returns a QwenImagePipeline folder."""
+    import subprocess
+    import sys
+
+    from tiny.generator import TinyGeneratorConfig
+
+    cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
+    spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder)}
+    if cfg.text_encoder in (TINY_MODEL, TINY_SFT_MODEL):  # build the VLM here, so the child only reads the cache
+        {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path}[cfg.text_encoder]()
+
+    def build(out):
+        print(f"tiny generator: pre-training into {out} (once; cached afterwards)", flush=True)
+        flags = [f"--{k}={v}" for k, v in overrides.items()]
+        env = {**os.environ, "MMGRPO_TINY_CACHE": os.path.abspath(CACHE_DIR)}
+        subprocess.run([sys.executable, "-m", "tiny.generator", "--output_dir", out, *flags], check=True, cwd=REPO,
+                       env=env)
+
+    return _cached(TINY_GENERATOR, spec, build)
+
+
 def resolve_tiny(cfg, accelerator):
     """(model path, dataset path) for a config, building the tiny pieces on the main process first."""
     with accelerator.main_process_first():
-        model = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path}.get(
-            cfg.model_name_or_path, lambda: cfg.model_name_or_path)()
+        model = resolve_tiny_name(cfg.model_name_or_path)
         data = shapes_dataset_path() if cfg.dataset_name == TINY_DATASET else cfg.dataset_name
     return model, data

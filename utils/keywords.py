@@ -64,3 +64,18 @@ def load_texts(path):
     if not isinstance(data, dict):
         raise ValueError(f"--compare: {path} is not a JSON object keyed by sample id")
     return [" ".join(v.get("reasoning_steps") or []) + " " + str(v.get("answer", "")) for v in data.values()]
+
+
+def sft_efficacy_score(base_texts, sft_texts, groups=None, cap=2.0):
+    """How much SFT raised the reasoning keywords, as the OpenVLThinker card scores it: each keyword's share of
+    all keyword hits in the SFT model's responses over its share in the base model's (a share of 0 counts as
+    1e-6), averaged over the keywords and capped at `cap` (2). Keywords: the words of KEYWORD_GROUPS."""
+    words = [w for ws in (groups or KEYWORD_GROUPS).values() for w in ws]
+
+    def shares(texts):
+        counts = [sum(len(_keyword_pattern(w).findall(t)) for t in texts) for w in words]
+        total = max(sum(counts), 1)
+        return [c / total for c in counts]
+
+    ratios = [s / max(b, 1e-6) for s, b in zip(shares(sft_texts), shares(base_texts))]
+    return min(sum(ratios) / len(ratios), cap) if ratios else 1.0

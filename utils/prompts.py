@@ -18,6 +18,14 @@ THINK_ANSWER_SYSTEM = (
     "Think first inside <think> </think>, then give the final answer inside <answer> </answer>."
 )
 
+# distill.py (OpenVLThinker's distillation): what the captioner is asked, and the text reasoner's user turn.
+CAPTION_PROMPT = "Describe the image in detail."
+REASONER_PROMPT = (
+    "Image description: {caption}\n"
+    "Question: {question}\n"
+    "Think inside <think> </think>, then give the final answer inside <answer> </answer>."
+)
+
 SYSTEM_PROMPTS = {"crystal_json": CRYSTAL_JSON_SYSTEM, "think_answer": THINK_ANSWER_SYSTEM, "plain": None}
 PROMPT_TEMPLATES = tuple(SYSTEM_PROMPTS)
 

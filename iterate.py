@@ -1,0 +1,505 @@
+"""The OpenVLThinker cycle, resumable: SFT -> difficulty estimate -> curriculum GRPO (medium, then hard) ->
+held-out evaluation -> the next SFT set, written by the improved model -> the next cycle.
+
+    python iterate.py                                             # two tiny cycles on the CPU (tiny_cycles.yaml)
+    python iterate.py --config recipes/openvlthinker_cycles.yaml  # the published settings, on GPUs
+
+Each stage runs one of the existing scripts in its own process and writes into output_dir/cycle-i/<stage>/:
+
+    data              cycle 1: distill.py (caption -> text reasoner -> filters). Cycle i > 1: distill.py on the
+                      previous cycle's final model (--next_data model: its own correct answers through the same
+                      filters; reasoner: the text reasoner again), mixed with --keep_previous of the previous set
+    sft               train_sft.py from --base_model (every cycle restarts from the base)
+    grpo-medium       train_grpo.py --curriculum medium from the SFT model; it estimates every RL question's
+                      difficulty with that model (error rate over k samples, tertiles)
+    grpo-hard         train_grpo.py --curriculum hard from the medium stage's model, on the same estimate
+    eval-<stage>      evaluate.py on the held-out set after sft, grpo-medium and grpo-hard (and eval-base once)
+
+Training stages go through `accelerate launch` with --accelerate_config (none: your default accelerate
+config, the one `accelerate config` wrote). A stage counts as finished once its stage.json exists (written after
+its script succeeded); a rerun of the same command skips finished stages and resumes the first unfinished one:
+the training scripts from their last checkpoint, distill.py from its append-only files. The run ends with
+report.json and report.png: held-out accuracy after every stage of every cycle, reasoning-keyword frequencies,
+and the SFT efficacy score. docs/openvlthinker.md has the details.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import yaml
+
+from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET
+from utils.config import ConfigError, choice, parse_config, save_config
+from utils.serving import die_with_parent
+
+TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
+STAGE_FILE = "stage.json"
+ESTIMATED_DIFFICULTY = "estimated_difficulty"
+
+
+@dataclass
+class IterateConfig:
+    # the cycle
+    num_cycles: int = 3  # SFT -> RL cycles
+    base_model: str = field(default=TINY_BASE_MODEL, metadata={
+        "help": "the model every cycle's SFT starts from; 'tiny-base' is the tiny world's"})
+    output_dir: str = "outputs/cycles"  # cycle-i/<stage>/ folders, rl-data/, report.json, report.png
+    accelerate_config: Optional[str] = field(default=None, metadata={
+        "help": "`accelerate launch --config_file` of every training stage; none: your default accelerate config"})
+    seed: int = 0  # seed of every stage (data order, sampling, init); vary it to repeat the whole cycle
+    prompt_template: str = choice("think_answer", "crystal_json", "plain",
+                                  help="answer format of the SFT rows, the RL prompts and the evaluation")
+    # SFT data
+    sft_sizes: list[int] = field(default_factory=lambda: [25000, 5000, 5000], metadata={
+        "help": "SFT rows of each cycle (the last value repeats)"})
+    keep_previous: float = 0.7  # share of cycle i's SFT rows drawn from cycle i-1's set; the rest are new
+    next_data: str = choice("model", "reasoner",
+                            help="who writes the new rows of cycle i > 1: the previous cycle's model, or the reasoner")
+    # RL data
+    rl_dataset: str = TINY_DATASET  # VQA rows for GRPO (image, question, answer)
+    rl_split: str = "train"  # split of --rl_dataset
+    rl_samples: Optional[int] = None  # the first N rows form the RL set (a third each medium, hard); none: all
+    rl_image_column: str = "image"  # column of --rl_dataset with the image(s)
+    rl_question_column: str = "question"  # column of --rl_dataset with the question
+    rl_answer_column: str = "answer"  # column of --rl_dataset with the answer
+    difficulty_once: bool = field(default=True, metadata={
+        "help": "estimate difficulty once per cycle (with the SFT model) for both RL stages; false: the hard "
+                "stage estimates again with its own starting model"})
+    # held-out evaluation
+    eval_dataset: str = TINY_DATASET  # held-out VQA rows (evaluate.py --dataset)
+    eval_split: str = "test"  # split of --eval_dataset
+    eval_samples: Optional[int] = None  # evaluate the first N rows; none: all
+    # the stages: a recipe each (a YAML of that script's flags) and overrides on top of it
+    distill_recipe: Optional[str] = None  # distill.py recipe
+    distill: dict = field(default_factory=dict)  # distill.py flags over --distill_recipe (JSON on the command line)
+    sft_recipe: Optional[str] = "recipes/openvlthinker_sft.yaml"  # train_sft.py recipe
+    sft: dict = field(default_factory=dict)  # train_sft.py flags over --sft_recipe
+    grpo_medium_recipe: Optional[str] = "recipes/openvlthinker_grpo_medium.yaml"  # train_grpo.py recipe, medium
+    grpo_medium: dict = field(default_factory=dict)  # train_grpo.py flags over --grpo_medium_recipe
+    grpo_hard_recipe: Optional[str] = "recipes/openvlthinker_grpo_hard.yaml"  # train_grpo.py recipe, hard
+    grpo_hard: dict = field(default_factory=dict)  # train_grpo.py flags over --grpo_hard_recipe
+    evaluate: dict = field(default_factory=lambda: {"metrics": ["accuracy", "math", "keywords"]}, metadata={
+        "help": "evaluate.py flags of every evaluation"})
+
+
+def validate(cfg):
+    if cfg.num_cycles < 1:
+        raise ValueError(f"--num_cycles must be >= 1, got {cfg.num_cycles}")
+    if not cfg.sft_sizes or min(cfg.sft_sizes) < 1:
+        raise ValueError(f"--sft_sizes must be positive row counts, got {cfg.sft_sizes}")
+    if not 0.0 <= cfg.keep_previous < 1.0:
+        raise ValueError(f"--keep_previous must be in [0, 1), got {cfg.keep_previous}")
+    if cfg.accelerate_config and not os.path.isfile(cfg.accelerate_config):
+        raise ValueError(f"--accelerate_config: file not found: {cfg.accelerate_config}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage recipes: the stage's recipe file, then the user's overrides, then what the cycle decides
+
+
+def _recipe_path(path):
+    return path if path is None or os.path.isabs(path) or os.path.exists(path) else os.path.join(REPO, path)
+
+
+def stage_recipe(recipe, overrides, forced, defaults=None):
+    """The stage's flags: `defaults` <- the recipe file <- the user's overrides <- `forced` (models, data, folders)."""
+    merged = dict(defaults or {})
+    path = _recipe_path(recipe)
+    if path:
+        if not os.path.isfile(path):
+            raise ValueError(f"recipe file not found: {recipe}")
+        with open(path) as f:
+            merged.update(yaml.safe_load(f) or {})
+    merged.update(overrides)
+    merged.update(forced)
+    return merged
+
+
+def write_recipe(values, path, config_cls):
+    """Write a stage's recipe and check it parses with the script's own config class (an unknown key or a bad
+    value fails here, naming the stage, before any compute)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        yaml.safe_dump(values, f, sort_keys=False, allow_unicode=True)
+    os.replace(path + ".tmp", path)
+    try:
+        return parse_config(config_cls, ["--config", path])
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def script_configs():
+    """The config classes of the stage scripts (importing them loads no model)."""
+    import distill
+    import evaluate
+    import train_grpo
+    import train_sft
+
+    return {"distill": distill.DistillConfig, "sft": train_sft.SFTConfig, "grpo": train_grpo.GRPOConfig,
+            "evaluate": evaluate.EvalConfig}
+
+
+# --------------------------------------------------------------------------------------------------
+# Running a stage once
+
+
+class Runner:
+    """Runs each stage's command once: a finished stage (its stage.json) is never run again."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.child = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+        self.accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+        if not os.path.exists(self.accelerate):
+            self.accelerate = shutil.which("accelerate") or "accelerate"
+
+    def _forward(self, signum, frame):
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+        raise SystemExit(128 + signum)
+
+    def launch(self, script, recipe):
+        cmd = [self.accelerate, "launch"]
+        if self.cfg.accelerate_config:
+            cmd += ["--config_file", self.cfg.accelerate_config]
+        return cmd + [os.path.join(REPO, script), "--config", recipe]
+
+    def python(self, script, recipe):
+        return [sys.executable, os.path.join(REPO, script), "--config", recipe]
+
+    @staticmethod
+    def done(folder):
+        path = os.path.join(folder, STAGE_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    def run(self, name, folder, command, result=lambda: {}):
+        """Run `command` unless the stage is finished; then record it (and `result()`) in folder/stage.json."""
+        record = self.done(folder)
+        if record is not None:
+            print(f"[iterate] {name}: finished earlier ({record['seconds']:.0f} s), skipped", flush=True)
+            return record
+        os.makedirs(folder, exist_ok=True)
+        print(f"[iterate] {name}: {' '.join(command)}", flush=True)
+        start = time.monotonic()
+        with open(os.path.join(folder, "stage.log"), "a", encoding="utf-8") as log:
+            self.child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, bufsize=1, preexec_fn=die_with_parent)
+            for line in self.child.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            code = self.child.wait()
+        self.child = None
+        if code != 0:
+            raise SystemExit(f"iterate: stage {name} failed (exit code {code}); its log is "
+                             f"{os.path.join(folder, 'stage.log')}. Fix the cause and run the same command again: "
+                             "finished stages are kept and this one resumes")
+        return self.mark(name, folder, time.monotonic() - start, {"command": command, **result()})
+
+    @staticmethod
+    def mark(name, folder, seconds, result):
+        """Record a stage as finished (atomically): folder/stage.json."""
+        record = {"stage": name, "seconds": seconds, **result}
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, STAGE_FILE + ".tmp"), "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(os.path.join(folder, STAGE_FILE + ".tmp"), os.path.join(folder, STAGE_FILE))
+        return record
+
+
+def final_checkpoint(folder):
+    from utils.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(folder)
+    if path is None:
+        raise SystemExit(f"iterate: {folder} has no complete checkpoint although its script succeeded")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: the RL set, the estimated difficulty, the next cycle's SFT set
+
+
+def write_rl_data(cfg, out):
+    """The RL rows (the first --rl_samples of --rl_dataset) in the standard columns, written once."""
+    if os.path.isdir(out):
+        return out
+    from tiny.cache import shapes_dataset_path
+    from utils.data import load_vqa
+
+    path = shapes_dataset_path() if cfg.rl_dataset == TINY_DATASET else cfg.rl_dataset
+    rows = load_vqa(path, split=cfg.rl_split, image_column=cfg.rl_image_column,
+                    question_column=cfg.rl_question_column, answer_column=cfg.rl_answer_column, require_steps=False)
+    if cfg.rl_samples:
+        rows = rows.select(range(min(cfg.rl_samples, len(rows))))
+    rows.save_to_disk(out + ".tmp")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def write_estimated_difficulty(rl_data, checkpoint, out):
+    """The RL rows with the difficulty the medium stage estimated (saved in its checkpoints) as a column."""
+    if os.path.isdir(out):
+        return out
+    import datasets
+
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        levels = json.load(f).get("difficulty_levels")
+    rows = datasets.load_from_disk(rl_data)
+    if not levels or len(levels) != len(rows):
+        raise SystemExit(f"iterate: {checkpoint} holds no difficulty estimate for the {len(rows)} RL rows")
+    rows.remove_columns([c for c in (ESTIMATED_DIFFICULTY,) if c in rows.column_names]).add_column(
+        ESTIMATED_DIFFICULTY, levels).save_to_disk(out + ".tmp")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def read_rows(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def mix_sft_sets(previous, new, size, keep_previous, seed, out_file):
+    """`round(keep_previous * size)` rows drawn (seeded) from the previous set, then new rows up to `size`;
+    image paths rewritten relative to the new file. Returns counts."""
+    old_rows, new_rows = read_rows(previous), read_rows(new)
+    n_old = min(len(old_rows), round(keep_previous * size))
+    chosen = random.Random(seed).sample(range(len(old_rows)), n_old)
+    taken = {old_rows[i]["id"] for i in chosen}
+    fresh = [r for r in new_rows if r["id"] not in taken][:size - n_old]
+    out_dir = os.path.dirname(os.path.abspath(out_file))
+
+    def rebase(row, source_file):
+        base = os.path.dirname(os.path.abspath(source_file))
+        images = [p if os.path.isabs(p) else os.path.relpath(os.path.join(base, p), out_dir) for p in row["images"]]
+        return {**row, "images": images}
+
+    rows = [rebase(old_rows[i], previous) for i in sorted(chosen)] + [rebase(r, new) for r in fresh]
+    with open(out_file + ".tmp", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(out_file + ".tmp", out_file)
+    return {"rows": len(rows), "from_previous": n_old, "new": len(fresh)}
+
+
+def distill_summary(folder):
+    with open(os.path.join(folder, "summary.json")) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------------------------------
+# The report
+
+
+def eval_metrics(folder):
+    with open(os.path.join(folder, "metrics.json")) as f:
+        metrics = json.load(f)
+    keep = {k: v for k, v in metrics.items() if k.startswith(("accuracy", "format", "math_accuracy", "samples"))}
+    keep["keywords"] = {g: s["per_response"] for g, s in metrics.get("keywords", {}).items()}
+    return keep
+
+
+def completions(folder):
+    return [r["completion"] for r in read_rows(os.path.join(folder, "generations.jsonl"))]
+
+
+def write_report(cfg, base_eval, cycles):
+    """report.json (every number) and report.png (accuracy after each stage, keyword frequencies)."""
+    from utils.keywords import sft_efficacy_score
+
+    base_texts = completions(base_eval)
+    report = {"base_model": cfg.base_model, "seed": cfg.seed, "base": eval_metrics(base_eval), "cycles": []}
+    for c in cycles:
+        stages = {name: eval_metrics(folder) for name, folder in c["evals"].items()}
+        report["cycles"].append({
+            "cycle": c["cycle"], "data": c["data"], "stages": stages,
+            "sft_efficacy": sft_efficacy_score(base_texts, completions(c["evals"]["sft"])),
+            "seconds": c["seconds"]})
+    acc = lambda c, s: report["cycles"][c]["stages"][s]["accuracy"]  # noqa: E731
+    claims = {"each_sft_above_base": all(acc(i, "sft") > report["base"]["accuracy"]
+                                         for i in range(len(cycles)))}
+    if len(cycles) > 1:
+        claims["last_rl_above_first_rl"] = acc(-1, "grpo-hard") > acc(0, "grpo-hard")
+        claims["rl_above_previous_cycle_rl"] = [acc(i, "grpo-hard") > acc(i - 1, "grpo-hard")
+                                                for i in range(1, len(cycles))]
+    report["claims"] = claims
+    report["accuracy_after_each_stage"] = [("base", report["base"]["accuracy"])] + [
+        (f"cycle {c['cycle']} {s}", c["stages"][s]["accuracy"]) for c in report["cycles"] for s in c["stages"]]
+    path = os.path.join(cfg.output_dir, "report.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(path + ".tmp", path)
+    plot_report(report, os.path.join(cfg.output_dir, "report.png"))
+    return report
+
+
+def plot_report(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [name for name, _ in report["accuracy_after_each_stage"]]
+    values = [value for _, value in report["accuracy_after_each_stage"]]
+    points = [report["base"]] + [s for c in report["cycles"] for s in c["stages"].values()]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(labels)), 7), sharex=True)
+    top.plot(range(len(values)), values, marker="o")
+    for x, v in enumerate(values):
+        top.annotate(f"{v:.3f}", (x, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    top.set_ylabel("held-out accuracy")
+    top.set_title(f"OpenVLThinker cycle: {report['base_model']} (seed {report['seed']})")
+    top.grid(alpha=0.3)
+    for group in (points[0].get("keywords") or {}):
+        bottom.plot(range(len(points)), [p["keywords"].get(group, 0.0) for p in points], marker=".", label=group)
+    bottom.set_ylabel("keyword hits per response")
+    bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    bottom.set_xticks(range(len(labels)))
+    bottom.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------
+# The cycle
+
+
+def main(cfg: IterateConfig):
+    validate(cfg)
+    configs = script_configs()
+    out = cfg.output_dir
+    os.makedirs(out, exist_ok=True)
+    save_config(cfg, os.path.join(out, "config.yaml"))
+    runner = Runner(cfg)
+    seed = {"seed": cfg.seed}
+    template = {"prompt_template": cfg.prompt_template}
+    evaluation = dict(cfg.evaluate)
+
+    def evaluate(name, folder, model):
+        recipe = stage_recipe(None, evaluation, {"model": model, "dataset": cfg.eval_dataset, "split": cfg.eval_split,
+                                                 "max_samples": cfg.eval_samples, "output_dir": folder, **template})
+        path = os.path.join(folder, "recipe.yaml")
+        if not runner.done(folder):
+            write_recipe(recipe, path, configs["evaluate"])
+        runner.run(name, folder, runner.python("evaluate.py", path))
+        return folder
+
+    def train(name, folder, script, config_cls, recipe, overrides, forced, defaults=None):
+        values = stage_recipe(recipe, overrides, {**forced, "output_dir": folder, "resume_from_checkpoint": "latest"},
+                              defaults={"eval_dataset_name": None, **seed, **(defaults or {})})
+        path = os.path.join(folder, "recipe.yaml")
+        if not runner.done(folder):
+            write_recipe(values, path, config_cls)
+        record = runner.run(name, folder, runner.launch(script, path),
+                            result=lambda: {"checkpoint": final_checkpoint(folder)})
+        return record["checkpoint"]
+
+    def distill_stage(name, folder, forced):
+        values = stage_recipe(cfg.distill_recipe, cfg.distill, {**template, "output_dir": folder, **forced},
+                              defaults=seed)
+        path = os.path.join(folder, "recipe.yaml")
+        if not runner.done(folder):
+            write_recipe(values, path, configs["distill"])
+        runner.run(name, folder, runner.python("distill.py", path), result=lambda: distill_summary(folder))
+        return os.path.join(folder, "sft.jsonl")
+
+    # Every stage recipe is checked before the first stage runs (later cycles differ from these only in paths).
+    check_dir = os.path.join(out, ".recipe-check")
+    for script, recipe, overrides in (("sft", cfg.sft_recipe, cfg.sft), ("grpo", cfg.grpo_medium_recipe,
+                                                                          cfg.grpo_medium),
+                                      ("grpo", cfg.grpo_hard_recipe, cfg.grpo_hard)):
+        write_recipe(stage_recipe(recipe, overrides, {"output_dir": check_dir}), os.path.join(check_dir, "r.yaml"),
+                     configs[script])
+    import distill
+
+    distill.validate(write_recipe(stage_recipe(cfg.distill_recipe, cfg.distill, {"output_dir": check_dir, **template}),
+                                  os.path.join(check_dir, "r.yaml"), configs["distill"]))
+    shutil.rmtree(check_dir, ignore_errors=True)
+    rl_data = os.path.join(out, "rl-data")
+
+    from tiny.cache import resolve_tiny_name
+
+    base_model = resolve_tiny_name(cfg.base_model)
+    write_rl_data(cfg, rl_data)
+    base_eval = evaluate("eval-base", os.path.join(out, "eval-base"), base_model)
+    rl_columns = {"dataset_name": rl_data, "dataset_split": "train", "image_column": "image",
+                  "question_column": "question", "answer_column": "answer", **template}
+    cycles, previous_set, previous_model = [], None, None
+    for i in range(1, cfg.num_cycles + 1):
+        start = time.monotonic()
+        folder = os.path.join(out, f"cycle-{i}")
+        size = cfg.sft_sizes[min(i - 1, len(cfg.sft_sizes) - 1)]
+
+        # ---- the SFT set: distilled by the reasoner (cycle 1), then by the improved model, mixed with the last ----
+        data_dir = os.path.join(folder, "data")
+        if i == 1:
+            sft_set = distill_stage(f"cycle-{i}/data", data_dir, {"max_kept": size, "shuffle_seed": cfg.seed})
+            data = distill_summary(data_dir)
+        else:
+            new_rows = size - round(cfg.keep_previous * size)
+            source = ({"chain_source": "model", "model": previous_model, "model_base_url": None}
+                      if cfg.next_data == "model" else {"chain_source": "reasoner"})
+            new_set = distill_stage(f"cycle-{i}/data (new rows)", os.path.join(data_dir, "new"),
+                                    {**source, "max_kept": new_rows, "shuffle_seed": cfg.seed * 1000 + i})
+            sft_set = os.path.join(data_dir, "sft.jsonl")
+            mixed = runner.done(data_dir)
+            if mixed is None:
+                t0 = time.monotonic()
+                counts = mix_sft_sets(previous_set, new_set, size, cfg.keep_previous, cfg.seed * 1000 + i, sft_set)
+                mixed = runner.mark(f"cycle-{i}/data (mix)", data_dir, time.monotonic() - t0, counts)
+            data = {"new": distill_summary(os.path.join(data_dir, "new")),
+                    "mix": {k: mixed[k] for k in ("rows", "from_previous", "new")}}
+
+        # ---- SFT from the base, difficulty estimate + medium stage, hard stage; each evaluated ----
+        sft_model = train(f"cycle-{i}/sft", os.path.join(folder, "sft"), "train_sft.py", configs["sft"],
+                          cfg.sft_recipe, cfg.sft, {"model_name_or_path": base_model, "dataset_name": sft_set,
+                                                     "dataset_format": "sharegpt", "dataset_split": "train"})
+        evals = {"sft": evaluate(f"cycle-{i}/eval-sft", os.path.join(folder, "eval-sft"), sft_model)}
+        medium = train(f"cycle-{i}/grpo-medium", os.path.join(folder, "grpo-medium"), "train_grpo.py",
+                       configs["grpo"], cfg.grpo_medium_recipe, cfg.grpo_medium,
+                       {"model_name_or_path": sft_model, "curriculum": ["medium"], **rl_columns})
+        evals["grpo-medium"] = evaluate(f"cycle-{i}/eval-grpo-medium", os.path.join(folder, "eval-grpo-medium"),
+                                        medium)
+        hard_data = {}
+        medium_cfg = parse_config(configs["grpo"], ["--config", os.path.join(folder, "grpo-medium", "recipe.yaml")])
+        if cfg.difficulty_once and medium_cfg.difficulty_samples > 0:
+            hard_rows = write_estimated_difficulty(rl_data, medium, os.path.join(folder, "grpo-hard-data"))
+            hard_data = {"dataset_name": hard_rows, "difficulty_samples": 0, "difficulty_column": ESTIMATED_DIFFICULTY}
+        hard = train(f"cycle-{i}/grpo-hard", os.path.join(folder, "grpo-hard"), "train_grpo.py", configs["grpo"],
+                     cfg.grpo_hard_recipe, cfg.grpo_hard,
+                     {"model_name_or_path": medium, "curriculum": ["hard"], **rl_columns, **hard_data})
+        evals["grpo-hard"] = evaluate(f"cycle-{i}/eval-grpo-hard", os.path.join(folder, "eval-grpo-hard"), hard)
+
+        seconds = sum((Runner.done(f) or {}).get("seconds", 0.0) for f in _stage_folders(folder))
+        cycles.append({"cycle": i, "data": data, "evals": evals, "seconds": seconds or time.monotonic() - start})
+        previous_set, previous_model = sft_set, hard
+        report = write_report(cfg, base_eval, cycles)
+        print(f"[iterate] cycle {i}: held-out accuracy " + ", ".join(
+            f"{s} {m['accuracy']:.3f}" for s, m in report["cycles"][-1]["stages"].items()) +
+            f" (base {report['base']['accuracy']:.3f})", flush=True)
+    print(f"[iterate] wrote {os.path.join(out, 'report.json')} and report.png; claims: {report['claims']}", flush=True)
+    return report
+
+
+def _stage_folders(cycle_folder):
+    for root, dirs, files in os.walk(cycle_folder):
+        if STAGE_FILE in files:
+            yield root
+        dirs[:] = [d for d in dirs if not d.startswith(("checkpoint-", "images", "."))]
+
+
+if __name__ == "__main__":
+    main(parse_config(IterateConfig, sys.argv[1:] or ["--config", TINY_CYCLES_RECIPE]))
