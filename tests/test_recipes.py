@@ -27,31 +27,48 @@ def config_classes():
     return [getattr(importlib.import_module(module), name) for module, name in entries]
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml"))))
-def test_every_recipe_parses_to_the_values_it_writes(path):
-    """Each recipe is a recipe of some script: each key it sets reaches that script's config with the value
-    written there, and it names its own output folder (so two recipes never write into a default one)."""
-    name = os.path.basename(path)
-    with open(path) as f:
-        written = yaml.safe_load(f)
-    parsed = []
+def script_of(path):
+    """(config class, parsed config as a dict) of the first script whose config reads the recipe."""
     for Config in config_classes():
         try:
-            parsed.append((Config, config_to_dict(parse_config(Config, ["--config", path]))))
+            return Config, config_to_dict(parse_config(Config, ["--config", path]))
         except ValueError:  # a recipe of another script (unknown keys)
             continue
-    assert parsed, f"{name} is a recipe of no script"
-    Config, cfg = parsed[0]
-    assert "output_dir" in written and written["output_dir"] != Config.output_dir, name
+    raise AssertionError(f"{os.path.basename(path)} is a recipe of no script")
+
+
+def assert_values_arrive(path, cfg):
+    with open(path) as f:
+        written = yaml.safe_load(f)
     for key, value in written.items():
-        if key == "config":
-            continue
         got = cfg[key]
-        if isinstance(value, str) and value.lower() == "none":
+        if got is None and isinstance(value, str) and value.lower() == "none":
             value = None  # how the config reads an explicit 'none'
         if isinstance(got, float) or (isinstance(got, list) and got and isinstance(got[0], float)):
             value = [float(v) for v in value] if isinstance(value, list) else float(value)  # YAML reads 1e-5 as text
-        assert got == value, (name, key, got, value)
+        assert got == value, (os.path.basename(path), key, got, value)
+    return written
+
+
+RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
+STAGES = sorted(glob.glob(os.path.join(REPO, "recipes", "stages", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", RECIPES)
+def test_every_recipe_parses_to_the_values_it_writes(path):
+    """Each recipe is a recipe of some script: each key it sets reaches that script's config with the value
+    written there, and it names its own output folder (so two recipes never write into a default one)."""
+    Config, cfg = script_of(path)
+    written = assert_values_arrive(path, cfg)
+    assert "output_dir" in written and written["output_dir"] != Config.output_dir, os.path.basename(path)
+
+
+@pytest.mark.parametrize("path", STAGES)
+def test_every_stage_recipe_parses_to_the_values_it_writes(path):
+    """Stage recipes (recipes/stages/) are run by iterate.py or the tiny cache, which pass the model, the data
+    and the output folder; what they do set must still arrive unchanged."""
+    _, cfg = script_of(path)
+    assert_values_arrive(path, cfg)
 
 
 def test_crystal_recipes_carry_the_published_settings():
@@ -75,7 +92,7 @@ def test_openvlthinker_grpo_recipes():
         assert (cfg.epsilon, cfg.epsilon_high, cfg.temperature, cfg.top_p) == (0.2, 0.3, 1.0, 0.99)
 
 
-GRPO_RECIPES = sorted(p for p in glob.glob(os.path.join(REPO, "recipes", "*.yaml")) if "sft" not in p)
+GRPO_RECIPES = [p for p in RECIPES if script_of(p)[0].__name__ == "GRPOConfig"]
 
 
 @pytest.mark.parametrize("path", GRPO_RECIPES)

@@ -21,8 +21,8 @@ TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generat
 TINY_DATASET = "synthetic:shapes"
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
-TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "tiny_base.yaml")
-TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "tiny_reasoner.yaml")
+TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_base.yaml")
+TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.yaml")
 CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-cache"))
 
 # Train and held-out splits come from different seeds, so no held-out image is seen in training.
