@@ -8,7 +8,7 @@ REQ_HASH := $(shell cat requirements.txt | sha1sum | cut -c1-12)
 DEV_HASH := $(shell cat requirements.txt requirements-dev.txt | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 DEV_STAMP := $(VENV)/.dev-installed-$(DEV_HASH)
-FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig
+FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig distill:DistillConfig iterate:IterateConfig
 
 .PHONY: install install-dev demo test test-fast lint docs
 
