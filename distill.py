@@ -58,7 +58,7 @@ class DistillConfig:
     shuffle_seed: Optional[int] = None  # visit the questions in this seeded order; none: data order
     max_samples: Optional[int] = None  # questions to try (after --shuffle_seed); none: all
     max_kept: Optional[int] = field(default=None, metadata={
-        "help": "stop once this many rows are kept (questions in flight still finish); none: no limit"})
+        "help": "stop once this many rows are kept (questions still in flight are not written); none: no limit"})
     # where the chains come from
     chain_source: str = choice("reasoner", "model",
                                help="reasoner: caption + question to a text reasoner; model: a VLM answers the image")
@@ -212,6 +212,8 @@ class Writer:
         return refs
 
     def finish(self, index, chains, caption):
+        if self.enough():  # --max_kept reached: questions still in flight are left for another run
+            return
         cfg, row = self.cfg, self.dataset[index]
         outcome = filter_chains(chains, question=render_question(row["question"], row.get("choices")),
                                 gold=row["answer"], grade=self.grade, select=cfg.select,

@@ -157,11 +157,14 @@ class Runner:
     def __init__(self, cfg):
         self.cfg = cfg
         self.child = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._forward)
         self.accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
         if not os.path.exists(self.accelerate):
             self.accelerate = shutil.which("accelerate") or "accelerate"
+
+    def forward_signals(self):
+        """SIGTERM / SIGINT to iterate stop the running stage too."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
 
     def _forward(self, signum, frame):
         if self.child is not None and self.child.poll() is None:
@@ -384,6 +387,7 @@ def main(cfg: IterateConfig):
     os.makedirs(out, exist_ok=True)
     save_config(cfg, os.path.join(out, "config.yaml"))
     runner = Runner(cfg)
+    runner.forward_signals()
     seed = {"seed": cfg.seed}
     template = {"prompt_template": cfg.prompt_template}
     evaluation = dict(cfg.evaluate)

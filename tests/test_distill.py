@@ -344,3 +344,14 @@ def test_sigkill_mid_run_then_restart_finishes_every_question_once(distill_world
         return {r["id"]: r["messages"][-1]["content"] for r in read_records(str(tmp_path / out / "sft.jsonl"))}
 
     assert rows_of("killed") == rows_of("full")
+
+
+@pytest.mark.slow
+def test_max_kept_stops_at_exactly_that_many_rows(distill_world, reasoner_server, tmp_path):
+    questions, rows, _ = distill_world
+    # four questions in flight at a time: those finishing after the third kept row are not written
+    summary = distill_main(_cfg(questions, tmp_path / "out", reasoner_base_url=reasoner_server.base_url,
+                                reasoner_model=reasoner_server.model_name, num_chains=1, max_concurrency=4,
+                                max_kept=3))
+    kept = read_records(str(tmp_path / "out" / "sft.jsonl"))
+    assert summary["kept"] == len(kept) == 3 and summary["questions"] < len(rows)

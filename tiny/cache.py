@@ -116,12 +116,12 @@ def tiny_sft_path():
     return _trained("tiny-sft", TINY_SFT_RECIPE, {"model": TINY_VLM, "data": SHAPES_SPLITS})
 
 
-def _source(module):
-    """A module's source: part of a cache key, so changed row builders rebuild what was made with them."""
-    import importlib
+def _source(*objects):
+    """The source of functions (and the repr of constants): part of a cache key, so a changed row builder
+    rebuilds what was made with it while other edits to its module do not."""
     import inspect
 
-    return inspect.getsource(importlib.import_module(module))
+    return [inspect.getsource(o) if callable(o) else repr(o) for o in objects]
 
 
 def _sharegpt_folder(name, spec, make_rows):
@@ -145,11 +145,11 @@ def _sharegpt_folder(name, spec, make_rows):
 
 def tiny_base_path():
     """The tiny cycle's base VLM: the tiny VLM trained to describe the shapes scenes (tiny/cycle.py)."""
-    from tiny.cycle import caption_rows
+    from tiny import cycle
 
-    spec = {"model": TINY_VLM, "data": SHAPES_SPLITS, "rows": _source("tiny.cycle"),
-            "prompts": _source("utils.prompts")}
-    data = _sharegpt_folder("captions", spec, caption_rows)
+    spec = {"model": TINY_VLM, "data": SHAPES_SPLITS,
+            "rows": _source(cycle.caption_rows, cycle.scene_caption, cycle._objects, cycle.CAPTION_PROMPT)}
+    data = _sharegpt_folder("captions", spec, cycle.caption_rows)
     return _trained("tiny-base", TINY_BASE_RECIPE, spec, ["--model_name_or_path", tiny_vlm_path(),
                                                            "--dataset_name", data])
 
@@ -157,11 +157,12 @@ def tiny_base_path():
 def tiny_reasoner_path():
     """The tiny cycle's text reasoner: the tiny LLM trained to answer counting questions from scene
     descriptions, a share of its chains with a reflection (tiny/cycle.py)."""
-    from tiny.cycle import reasoner_rows
+    from tiny import cycle
 
-    spec = {"model": TINY_LLM, "data": SHAPES_SPLITS, "rows": _source("tiny.cycle"),
-            "prompts": _source("utils.prompts")}
-    data = _sharegpt_folder("reasoner-chains", spec, reasoner_rows)
+    spec = {"model": TINY_LLM, "data": SHAPES_SPLITS,
+            "rows": _source(cycle.reasoner_rows, cycle.reasoner_chain, cycle._counted, cycle.scene_caption,
+                            cycle._objects, cycle.REASONER_PROMPT, cycle.REFLECTIONS)}
+    data = _sharegpt_folder("reasoner-chains", spec, cycle.reasoner_rows)
     return _trained("tiny-reasoner", TINY_REASONER_RECIPE, spec, ["--model_name_or_path", tiny_llm_path(),
                                                                    "--dataset_name", data])
 
