@@ -30,7 +30,7 @@ from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, st
 from utils.data import images_of, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
-from utils.groups import choose_groups, has_spread, split_groups, weighted_rewards
+from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, weighted_rewards
 from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
@@ -331,14 +331,17 @@ def main(cfg: GRPOConfig):
 
     def sample_micro_batch(prompt_idx, micro, reward_log):
         """Rollout of one micro-batch (G completions per prompt, spread over the processes) and its rewards,
-        gathered so that every process sees whole groups."""
+        gathered so that every process sees whole groups. A refill under --dynamic_sampling may hold fewer
+        prompts than a full micro-batch (still a whole number of completions per process)."""
         global_rows = [i for i in prompt_idx for _ in range(G)]
-        rows = [dataset[i] for i in global_rows[local]]
-        ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
+        b = len(global_rows) // world  # completions per process: B, or fewer in a refill
+        mine = slice(rank * b, (rank + 1) * b)
+        rows = [dataset[i] for i in global_rows[mine]]
+        ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[mine])]
         seeds = completion_seeds(cfg.seed, round_index,
-                                 range(micro * B * world + rank * B, micro * B * world + (rank + 1) * B))
+                                 range(micro * B * world + rank * b, micro * B * world + (rank + 1) * b))
         t0 = time.perf_counter()
-        out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[local], sample_ids=ids, seeds=seeds,
+        out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[mine], sample_ids=ids, seeds=seeds,
                       stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=global_step)
         timings["generation"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -348,7 +351,7 @@ def main(cfg: GRPOConfig):
         local_rewards = call_rewards(reward_fns, cfg.reward_funcs, prompts=out["messages"],
                                      completions=as_conversation(out["texts"]), completion_ids=token_ids,
                                      columns=columns, trainer_state=trainer_state, log=reward_log)
-        mb = dict(out, rows=rows, ids=ids, keys=global_rows[local], prompt_rows=list(prompt_idx), token_ids=token_ids,
+        mb = dict(out, rows=rows, ids=ids, keys=global_rows[mine], prompt_rows=list(prompt_idx), token_ids=token_ids,
                   extra={k: v[before.get(k, 0):] for k, v in reward_log.extra.items()},
                   rewards=accelerator.gather(local_rewards.to(accelerator.device)).cpu())
         if cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
@@ -404,9 +407,9 @@ def main(cfg: GRPOConfig):
                 missing = GA * prompts_per_micro - sum(g["spread"] for g in groups)
                 if missing <= 0 or extra_rounds == cfg.max_resample_rounds:
                     break
-                extra_rounds += 1
-                generated += [sample_micro_batch(sampler.take(prompts_per_micro, global_step), len(generated) + m,
-                                                 reward_log) for m in range(math.ceil(missing / prompts_per_micro))]
+                extra_rounds += 1  # refill with as many new prompts as groups are missing
+                for n in refill_sizes(missing, prompts_per_micro, G, world):
+                    generated.append(sample_micro_batch(sampler.take(n, global_step), len(generated), reward_log))
             t0 = time.perf_counter()
             chosen = choose_groups(groups, GA * prompts_per_micro)
             batches = [rebuild_micro_batch(chosen[m * prompts_per_micro:(m + 1) * prompts_per_micro])

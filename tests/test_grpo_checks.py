@@ -13,7 +13,7 @@ import torch
 import train_grpo
 from train_grpo import GRPOConfig, build_rewards, validate
 from utils.config import ConfigError
-from utils.groups import choose_groups, has_spread
+from utils.groups import choose_groups, has_spread, refill_sizes
 from utils.rollout import truncated_completions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,6 +120,14 @@ def test_spread_is_judged_on_the_scorable_weighted_rewards():
     assert [g["name"] for g in choose_groups(groups, 2)] == [1, 3]
     # resample rounds ran out: groups without spread fill the rest, in order
     assert [g["name"] for g in choose_groups(groups, 5)] == [1, 3, 4, 0, 2]
+
+
+def test_refills_draw_as_many_prompts_as_groups_are_missing():
+    assert refill_sizes(3, 8, 8, 1) == [3]
+    assert refill_sizes(19, 8, 8, 1) == [8, 8, 3]
+    assert refill_sizes(1, 2, 4, 8) == [2]  # 1 prompt x 4 completions cannot split over 8 processes
+    assert refill_sizes(1, 4, 2, 4) == [2]
+    assert refill_sizes(0, 8, 8, 1) == []
 
 
 def test_truncated_means_no_stop_token_at_the_end():

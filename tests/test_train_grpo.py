@@ -162,7 +162,9 @@ def finish(proc, timeout=600):
     # PCGrad projects the step's per-objective gradients after averaging them over the processes
     dict(use_pcgrad="true", reward_funcs="tests.grpo_helpers:completion_length,tests.grpo_helpers:none_on_odd",
          reward_weights="1.0,-0.5"),
-], ids=["plain", "pcgrad"])
+    # kept groups are regrouped across processes, their completions moved as token ids
+    dict(dynamic_sampling="true", reward_funcs="tests.grpo_helpers:constant_on_even_prompts"),
+], ids=["plain", "pcgrad", "dynamic_sampling"])
 def test_two_processes_match_one_process(assets, tmp_path, variant):
     # Same global batch (8 completions = 2 prompts x 4), split over 1 or 2 processes.
     one = launch(cli(assets, tmp_path / "one", per_device_train_batch_size=8, **variant), 1)
@@ -175,6 +177,9 @@ def test_two_processes_match_one_process(assets, tmp_path, variant):
         for key in ("reward", "reward_std", "loss", "completion_length", "clip_ratio", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
     assert m1[-1]["grad_norm"] > 0
+    if "dynamic_sampling" in variant:
+        assert [m["resample_rounds"] for m in m1] == [m["resample_rounds"] for m in m2]
+        assert sum(m["resample_rounds"] for m in m1) > 0
 
 
 @pytest.mark.slow

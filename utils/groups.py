@@ -43,3 +43,13 @@ def choose_groups(groups, needed):
     (their advantages are 0, as in plain GRPO)."""
     kept = [g for g in groups if g["spread"]][:needed]
     return kept + [g for g in groups if not g["spread"]][:needed - len(kept)]
+
+
+def refill_sizes(missing, prompts_per_micro, group_size, num_processes):
+    """Prompts per refill micro-batch for `missing` groups: full micro-batches, then one holding the rest, rounded
+    up so that its completions split evenly over the processes."""
+    sizes = [prompts_per_micro] * (missing // prompts_per_micro)
+    rest = missing % prompts_per_micro
+    if rest:
+        sizes.append(next(k for k in range(rest, prompts_per_micro + 1) if k * group_size % num_processes == 0))
+    return sizes
