@@ -89,3 +89,22 @@ def test_generation_with_a_shared_prefill_gives_the_same_completions(setup):
         a = CompletionLogProbs(model)(prompts, shared_ids, shared_mask, prompt_index=prompt_index)
         b = CompletionLogProbs(model)(expand_prompts(prompts, prompt_index), plain_ids, plain_mask)
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_shared_prefill_generation_under_lora(setup):
+    """PEFT puts the Qwen-VL core (which holds the rope offsets) two wrappers deep; the shared prefill must
+    still select its offsets per completion, and sample what the plain prefill samples. (No top-k/top-p here: on
+    a random tiny model's near-uniform logits, float noise between batch shapes moves the nucleus boundary.)"""
+    from peft import LoraConfig, get_peft_model
+
+    model, prompts, prompt_index, _, _, _ = setup
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    try:
+        eos = model.generation_config.eos_token_id
+        kw = dict(row_seeds=completion_seeds(0, 0, range(6)), max_new_tokens=8, temperature=1.0,
+                  eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else [eos], pad_token_id=0)
+        plain = generate_completions(lora, expand_prompts(prompts, prompt_index), **kw)
+        shared = generate_completions(lora, prompts, prompt_index=prompt_index, **kw)
+        assert torch.equal(shared[0], plain[0]) and torch.equal(shared[1], plain[1])
+    finally:
+        lora.unload()

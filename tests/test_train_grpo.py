@@ -86,10 +86,7 @@ def test_reward_weights_are_applied_and_none_is_left_out(assets, tmp_path):
 @pytest.mark.parametrize("variant", [
     dict(loss_type="dapo", beta=0.04, num_iterations=2, gradient_accumulation_steps=2, save_steps=2),
     dict(loss_type="dr_grpo", importance_sampling_level="sequence", scale_rewards="batch", epsilon_high=0.28),
-    pytest.param(dict(loss_type="bnpo", use_peft=True, lora_r=4, beta=0.1, scale_rewards="none", top_k=20, top_p=0.9),
-                 marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                         reason="known bug after the merge: top-k/top-p + LoRA + shared-prompt "
-                                                "generation fails with a size mismatch (8 vs 2); fix first")),
+    dict(loss_type="bnpo", use_peft=True, lora_r=4, beta=0.1, scale_rewards="none", top_k=20, top_p=0.9),
 ])
 def test_loss_variants_train(assets, tmp_path, variant):
     run(config(assets, tmp_path, reward_funcs=["tests.grpo_helpers:completion_length"], **variant))

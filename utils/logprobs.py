@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from kernels import fused_token_logprobs
+from utils.rollout import cache_kwargs
 
 
 def hf_core(model):
@@ -101,12 +102,12 @@ class CompletionLogProbs(nn.Module):
             first = torch.stack([(idx == p).nonzero()[0, 0] for p in range(p_ids.shape[0])])
             prefix_pos, completion_pos = pos[:, first, :lp], pos[:, :, lp:]
         cache = DynamicCache(config=core.config)
-        out = base(input_ids=p_ids, attention_mask=p_mask, position_ids=prefix_pos, cache=cache,
-                   use_cache=True, **extra)
+        out = base(input_ids=p_ids, attention_mask=p_mask, position_ids=prefix_pos,
+                   **cache_kwargs(base, cache), use_cache=True, **extra)
         last = out.last_hidden_state[:, -1]  # left padding: the last column is each prompt's last token
         cache.batch_select_indices(idx)
         out = base(input_ids=completion_ids, attention_mask=full_mask, position_ids=completion_pos,
-                   cache=cache, use_cache=True)
+                   **cache_kwargs(base, cache), use_cache=True)
         hidden = torch.cat([last[idx][:, None], out.last_hidden_state[:, :-1]], 1)
         return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
 

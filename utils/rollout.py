@@ -8,6 +8,7 @@ across world sizes and makes resume exact without restoring any generator state.
 """
 
 import contextlib
+import inspect
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -200,8 +201,8 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
         pad_token_id=pad_token_id, temperature=None, top_k=None, top_p=None,
         suppress_tokens=list(suppress_token_ids) or None,
     )
-    out = model.generate(**batch, **({"cache": cache} if cache is not None else {}), generation_config=config,
-                         logits_processor=LogitsProcessorList([sampler]))
+    shared = cache_kwargs(model, cache) if cache is not None else {}
+    out = model.generate(**batch, **shared, generation_config=config, logits_processor=LogitsProcessorList([sampler]))
     completion = out[:, prompt_length:]
     return completion, completion_mask(completion, eos_token_id)
 
@@ -217,12 +218,19 @@ def _shared_prefill(model, prompts, prompt_index):
     per_token = {k for k, v in prompts.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == ids.shape}
     inputs = {k: (v[:, :-1] if k in per_token else v) for k, v in prompts.items()}
     cache = DynamicCache(config=model.config)
-    model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
+    model(**inputs, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(idx)
-    core = getattr(model, "model", None)
-    if getattr(core, "rope_deltas", None) is not None:
-        core.rope_deltas = core.rope_deltas[idx]
+    for module in model.modules():  # the Qwen-VL core, however deep PEFT or a wrapper has put it
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = module.rope_deltas[idx]
     return {"input_ids": ids[idx], "attention_mask": prompts["attention_mask"][idx]}, cache
+
+
+def cache_kwargs(model, cache):
+    """`{name: cache}` for a forward or generate call: transformers renamed `past_key_values` to `cache` (5.2x);
+    the vLLM set pins a release from before the rename, where an unknown `cache=` would be silently dropped."""
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    return {"cache" if "cache" in inspect.signature(forward).parameters else "past_key_values": cache}
 
 
 def stop_token_ids(model, tokenizer):
