@@ -318,6 +318,10 @@ def test_noise_and_blank_images_score_nothing_under_tiny():
             assert score_t2i(smooth, row)["detected"] == 0
             for colour in ("white", "black"):
                 assert graded(score_t2i(Image.new("RGB", (size, size), colour), row)) == {"score": 0.0, "strict": 0.0}
+            # a canvas flooded with one palette colour (or a pale one) is not one huge square
+            for flood in ((0, 170, 0), (150, 190, 130), (220, 40, 40)):
+                result = score_t2i(Image.new("RGB", (size, size), flood), row)
+                assert result["detected"] == 0 and result["score"] < 0.1, (flood, row)
 
 
 def test_confetti_scores_clearly_below_the_clean_render():

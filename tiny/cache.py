@@ -17,6 +17,7 @@ TINY_MODEL = "tiny"
 TINY_SFT_MODEL = "tiny-sft"  # the tiny VLM after train_sft.py's tiny recipe: the warm start of tiny GRPO
 TINY_BASE_MODEL = "tiny-base"  # the tiny VLM pre-trained to describe scenes: the cycle's base and captioner
 TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason over scene descriptions
+TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-sft
 TINY_DATASET = "synthetic:shapes"
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
@@ -173,6 +174,43 @@ TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_BA
 def resolve_tiny_name(name):
     """The folder of a tiny model name (built on first use); any other name or path unchanged."""
     return TINY_MODELS[name]() if name in TINY_MODELS else name
+
+
+def _tiny_sft_spec():
+    with open(TINY_SFT_RECIPE) as f:
+        return {"recipe": f.read(), "model": TINY_VLM, "data": SHAPES_SPLITS}
+
+
+def _text_encoder_spec(name):
+    if name == TINY_SFT_MODEL:
+        return {"tiny-sft": _tiny_sft_spec()}
+    if name == TINY_MODEL:
+        return {"tiny": TINY_VLM}
+    return {"path": os.path.abspath(name)}
+
+
+def tiny_generator_path(**overrides):
+    """The tiny text-to-image generator: tiny/generator.py's defaults (or `overrides` of its config), pre-trained
+    once in its own process (torch threads pinned by the config) and reused while the config and the text
+    encoder's spec stay the same. Returns a QwenImagePipeline folder."""
+    import subprocess
+    import sys
+
+    from tiny.generator import TinyGeneratorConfig
+
+    cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
+    spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder)}
+    if cfg.text_encoder in (TINY_MODEL, TINY_SFT_MODEL):  # build the VLM here, so the child only reads the cache
+        {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path}[cfg.text_encoder]()
+
+    def build(out):
+        print(f"tiny generator: pre-training into {out} (once; cached afterwards)", flush=True)
+        flags = [f"--{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in overrides.items()]
+        env = {**os.environ, "MMGRPO_TINY_CACHE": os.path.abspath(CACHE_DIR)}
+        subprocess.run([sys.executable, "-m", "tiny.generator", "--output_dir", out, *flags], check=True, cwd=REPO,
+                       env=env)
+
+    return _cached(TINY_GENERATOR, spec, build)
 
 
 def resolve_tiny(cfg, accelerator):

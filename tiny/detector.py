@@ -31,6 +31,7 @@ MAX_ALPHA = 1.3  # ink darker than its palette colour (alpha > 1) is not that co
 MIN_AREA_FRAC = 0.15  # a component under 15% of the expected object area is a fragment, not an object
 MIN_FILL = 0.35  # ... and so is one filling under 35% of its box (triangles fill ~1/2): a ragged blob
 MIN_ISOLATION = 0.3  # ... and so is one with under 30% background in the ring around it: a blob in noise
+MAX_AREA_FRAC = 0.25  # ... and a component over 25% of the image is a painted canvas (render_t2i: <= 5.5%)
 BACKGROUND_DIST = 60.0  # pixels within this RGB distance of white are background
 CLUTTER_FREE_FRAC = 0.25  # stray ink up to a quarter of one object's area is free
 EXTRA_WEIGHT = 0.5  # an extra object costs half of what a missing one does
@@ -205,7 +206,8 @@ def segment_shapes(image, *, colors=tuple(PALETTE), min_area: float | None = Non
     The image is brought to detection scale (`_prepare`), labelled by palette colour and split into
     4-connected components. A component is an object only if it has >= min_area input pixels (default
     0.25% of the image, at least 6 detection pixels), fills >= min_fill of its box and has >= min_isolation
-    background in the ring 2 input pixels around it (`_isolation`): speckle and noise blobs are not
+    background in the ring 2 input pixels around it (`_isolation`) and covers at most MAX_AREA_FRAC of the
+    image (a canvas painted in one colour has no ring inside the image): speckle, noise blobs and floods are not
     objects. stray_pixels counts the non-background pixels (further than BACKGROUND_DIST from white)
     outside the objects and their 2-pixel halo (blurred edges): speckle, noise, non-palette junk, so a
     scorer can charge for them."""
@@ -216,7 +218,7 @@ def segment_shapes(image, *, colors=tuple(PALETTE), min_area: float | None = Non
     radius = 2 * factor
     objects, explained = [], np.zeros(labels.shape, dtype=bool)
     for pixels in label_components(labels):
-        if len(pixels) < min_pixels:
+        if len(pixels) < min_pixels or len(pixels) > MAX_AREA_FRAC * labels.size:
             continue
         box, fill = _box_and_fill(pixels)
         if fill < min_fill or _isolation(pixels, box, background, radius) < min_isolation:
