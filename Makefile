@@ -32,12 +32,16 @@ demo: install
 lint: install-dev
 	$(VENV)/bin/ruff check .
 
-# The test suite: lint, then every test (the end-to-end ones are marked slow).
+# The test suite: lint, then every test (the end-to-end ones are marked slow) but those that build a default
+# tiny model of the cache (marked build: minutes each; `make test-build` runs them).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not build"
 
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not build"
+
+test-build: lint
+	$(PY) -m pytest -q -m build
 
 # docs/flags.md is generated from the config dataclasses; tests/test_docs.py fails when it is stale.
 docs: install

@@ -63,9 +63,9 @@ REASON_PROMPT = ("Think about how to draw the image below inside <think> </think
 class MixGRPOConfig:
     # models
     model_name_or_path: str = field(default=TINY, metadata={
-        "help": "the policy VLM (Qwen2.5-VL); 'tiny': the tiny VLM of the tiny generator"})
+        "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, the VLM the tiny generator reads"})
     generator_name_or_path: str = field(default=TINY, metadata={
-        "help": "Qwen-Image pipeline folder or hub name; 'tiny': a random tiny Qwen-Image on the tiny VLM"})
+        "help": "Qwen-Image pipeline folder or hub name; 'tiny': the pre-trained tiny Qwen-Image (tiny/generator.py)"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
     conditioning: str = choice("base", "policy", help="the image model reads the VLM's base weights (no grad) or "
                                                       "the policy as it trains")
@@ -206,21 +206,17 @@ def validate(cfg, num_processes):
         raise ValueError("--push_to_hub needs --hub_model_id")
 
 
-# ---- the tiny world (until the tiny shapes generator replaces the random one) ----
-
-TINY_QWENIMAGE = dict(vlm_hidden=32, layers=2, heads=3, head_dim=16, base_dim=24, seed=0)
-
+# ---- the tiny world ----
 
 def resolve_tiny(cfg, accelerator):
-    """(VLM path, generator path, train prompts, held-out prompts), building the tiny pieces once."""
-    from tiny.pipelines import make_tiny_qwenimage
+    """(VLM path, generator path, train prompts, held-out prompts), building the tiny pieces once: 'tiny' is the
+    pre-trained tiny Qwen-Image generator (tiny/generator.py) and the VLM it was trained to read (tiny-planner)."""
+    from tiny.cache import TINY_PLANNER_MODEL, resolve_tiny_name, tiny_generator_path
     from tiny.t2i import make_t2i_prompts, write_jsonl
 
     with accelerator.main_process_first():
-        gen = cfg.generator_name_or_path
-        if gen == TINY:
-            gen = _cached("tiny-qwenimage", TINY_QWENIMAGE, lambda out: make_tiny_qwenimage(out, **TINY_QWENIMAGE))
-        vlm = os.path.join(gen, "_vlm") if cfg.model_name_or_path == TINY else cfg.model_name_or_path
+        gen = tiny_generator_path() if cfg.generator_name_or_path == TINY else cfg.generator_name_or_path
+        vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY else cfg.model_name_or_path)
         paths = []
         for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
             if value == TINY:

@@ -13,7 +13,7 @@ from PIL import Image, ImageFilter
 
 from tiny.detector import detect_shapes, score_t2i
 from tiny.shapes import PALETTE, make_shapes_vqa, render_objects, save_shapes_vqa, shapes_vqa_rows
-from tiny.t2i import make_t2i_prompts, relative_position, render_t2i, write_jsonl
+from tiny.t2i import make_t2i_prompts, planner_rows, relative_position, render_t2i, scene_plan, write_jsonl
 
 # ---------------------------------------------------------------------------- independent pixel reader
 
@@ -384,3 +384,29 @@ def test_relative_position_follows_geneval():
     assert relative_position((0, 0, 10, 10), (30, 0, 40, 10)) == {"left of"}
     assert relative_position((30, 30, 40, 40), (0, 0, 10, 10)) == {"right of", "below"}
     assert relative_position((0, 0, 10, 10), (1, 1, 11, 11)) == set()  # overlapping: no relation
+
+
+def test_scene_plan_names_what_the_render_draws_and_where():
+    """Each plan entry is a detected object of the render, in the grid cell the plan names."""
+    rows = make_t2i_prompts(24, seed=3)
+    cols, lines = ("left", "center", "right"), ("top", "middle", "bottom")
+    for i, row in enumerate(rows):
+        plan = scene_plan(row, image_size=64, seed=i)
+        found = detect_shapes(render_t2i(row, image_size=64, seed=i))
+        assert len(plan.split(", ")) == len(found) == sum(int(item["count"]) for item in row["include"]), plan
+        detected = set()
+        for o in found:
+            x0, y0, x1, y1 = o["box"]
+            col, line = int((x0 + x1) / 2 // (64 / 3)), int((y0 + y1) / 2 // (64 / 3))
+            detected.add(f"{o['color']} {o['shape']} {lines[line]} {cols[col]}")
+        assert set(plan.split(", ")) == detected, (row["prompt"], plan, detected)
+    assert scene_plan(rows[0], seed=0) != scene_plan(rows[0], seed=1) or scene_plan(rows[0], seed=2) != scene_plan(
+        rows[0], seed=0)  # layouts and unasked colours vary by seed
+
+
+def test_planner_rows_answer_the_template_with_a_think_block():
+    rows = make_t2i_prompts(3, seed=0)
+    out = planner_rows(rows, "Plan: {prompt}", image_size=32)
+    assert [r["messages"][0]["content"] for r in out] == [f"Plan: {r['prompt']}" for r in rows]
+    assert [r["messages"][1]["content"] for r in out] == [f"<think>{scene_plan(r, image_size=32, seed=i)}</think>"
+                                                          for i, r in enumerate(rows)]

@@ -3,8 +3,8 @@ from them, built on first use and cached under outputs/tiny-cache/ (docs/tiny.md
 learn).
 
 Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-base` and `tiny-reasoner` (the OpenVLThinker
-cycle's base VLM and text reasoner, tiny/cycle.py) and `--dataset_name synthetic:shapes` resolve here;
-anything else is passed through untouched.
+cycle's base VLM and text reasoner, tiny/cycle.py), `tiny-planner` (the Mix-GRPO warm start) and
+`--dataset_name synthetic:shapes` resolve here; anything else is passed through untouched.
 """
 
 import hashlib
@@ -17,12 +17,15 @@ TINY_MODEL = "tiny"
 TINY_SFT_MODEL = "tiny-sft"  # the tiny VLM after train_sft.py's tiny recipe: the warm start of tiny GRPO
 TINY_BASE_MODEL = "tiny-base"  # the tiny VLM pre-trained to describe scenes: the cycle's base and captioner
 TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason over scene descriptions
-TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-sft
+TINY_PLANNER_MODEL = "tiny-planner"  # tiny-sft taught to write scene plans for a prompt: the Mix-GRPO warm start
+TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-planner
 TINY_DATASET = "synthetic:shapes"
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
 TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_base.yaml")
 TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.yaml")
+TINY_PLANNER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_planner.yaml")
+PLANNER_ROWS = dict(n=4096, seed=0, image_size=32)  # the tiny generator's rows: plans of the renders it draws
 CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-cache"))
 
 # Train and held-out splits come from different seeds, so no held-out image is seen in training.
@@ -167,8 +170,32 @@ def tiny_reasoner_path():
                                                                    "--dataset_name", data])
 
 
+def tiny_planner_path():
+    """The tiny Mix-GRPO policy's warm start: tiny-sft taught to answer train_mixgrpo's reason prompt with
+    `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is trained on (tiny.t2i.scene_plan:
+    the objects with a colour and a grid cell each), so its reasoning is what the generator learned to read."""
+    from tiny import t2i
+    from train_mixgrpo import REASON_PROMPT
+
+    spec = {"model": _tiny_sft_spec(), "rows": PLANNER_ROWS,
+            "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}
+
+    def build(out):
+        import datasets
+
+        rows = t2i.planner_rows(t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"]), REASON_PROMPT,
+                                image_size=PLANNER_ROWS["image_size"])
+        message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+        features = datasets.Features({"id": datasets.Value("string"), "messages": datasets.List(message)})
+        datasets.Dataset.from_list(rows, features=features).save_to_disk(out)
+
+    data = _cached("plans", spec, build)
+    return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", tiny_sft_path(),
+                                                                 "--dataset_name", data])
+
+
 TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_BASE_MODEL: tiny_base_path,
-               TINY_REASONER_MODEL: tiny_reasoner_path}
+               TINY_REASONER_MODEL: tiny_reasoner_path, TINY_PLANNER_MODEL: tiny_planner_path}
 
 
 def resolve_tiny_name(name):
@@ -186,6 +213,8 @@ def _text_encoder_spec(name):
         return {"tiny-sft": _tiny_sft_spec()}
     if name == TINY_MODEL:
         return {"tiny": TINY_VLM}
+    if name == TINY_PLANNER_MODEL:  # the plan rows' source is part of it: a changed plan format rebuilds
+        return {"tiny-planner": tiny_planner_path()}
     return {"path": os.path.abspath(name)}
 
 
@@ -200,8 +229,8 @@ def tiny_generator_path(**overrides):
 
     cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
     spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder)}
-    if cfg.text_encoder in (TINY_MODEL, TINY_SFT_MODEL):  # build the VLM here, so the child only reads the cache
-        {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path}[cfg.text_encoder]()
+    if cfg.text_encoder in TINY_MODELS:  # build the VLM here, so the child only reads the cache
+        TINY_MODELS[cfg.text_encoder]()
 
     def build(out):
         print(f"tiny generator: pre-training into {out} (once; cached afterwards)", flush=True)

@@ -8,10 +8,12 @@ Two stages, both on `render_t2i` ground truth at `image_size` px:
    its latent statistics become the pipeline's `latents_mean` / `latents_std`;
 2. the transformer (`QwenImageTransformer2DModel`) learns the velocity noise - x0 of the packed, normalised latents
    at logit-normal sigmas, through the adapter's own `velocity` (so training sees exactly what sampling sees);
-   prompts are encoded once by the adapter's `encode_condition`; a share of rows gets the negative prompt's
-   encoding instead, the unconditional branch of classifier-free guidance.
+   each row's text (its prompt, and by default the scene plan of its render, what the tiny planner writes) is
+   encoded once by the adapter's `encode_condition`; a share of rows gets the negative prompt's encoding
+   instead, the unconditional branch of classifier-free guidance.
 `python -m tiny.generator --output_dir DIR` builds one (`tiny.cache.tiny_generator_path()`: the default, cached);
-`evaluate_generator` scores its ODE samples per tag with the `shapes_t2i` scorer.
+`evaluate_generator` scores its ODE samples per tag with the `shapes_t2i` scorer. Over 400 lines on purpose: the
+build, its components and its scoring are one recipe, read in one place.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from tiny.detector import score_t2i
 from tiny.shapes import T2I_TAGS
-from tiny.t2i import make_t2i_prompts, render_t2i
+from tiny.t2i import make_t2i_prompts, render_t2i, scene_plan
 
 _log = partial(print, flush=True)
 SUMMARY = "tiny_generator.json"  # what a build measured (timings, losses, scores), next to model_index.json
@@ -39,7 +41,8 @@ SUMMARY = "tiny_generator.json"  # what a build measured (timings, losses, score
 @dataclass
 class TinyGeneratorConfig:
     output_dir: str = "outputs/tiny-generator"  # the QwenImagePipeline folder to write
-    text_encoder: str = "tiny-sft"  # the VLM whose base weights condition the image model: tiny | tiny-sft | a path
+    text_encoder: str = "tiny-planner"  # the VLM whose base weights condition it: tiny|tiny-sft|tiny-planner|a path
+    plan: bool = True  # condition on "prompt\nscene plan" as train_mixgrpo on prompt + reasoning; off: prompt alone
     image_size: int = 32  # px; the VAE halves it, and 2 x 2 latent patches make (image_size / 4)^2 image tokens
     train_rows: int = 4096  # synthetic rows (make_t2i_prompts seed `seed`), each rendered once as ground truth
     seed: int = 0
@@ -145,9 +148,9 @@ def load_text_encoder(name):
     """tiny | tiny-sft (built and cached on first use) | a folder -> (frozen Qwen2.5-VL, processor, folder)."""
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from tiny.cache import TINY_MODEL, TINY_SFT_MODEL, tiny_sft_path, tiny_vlm_path
+    from tiny.cache import TINY_MODELS
 
-    path = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path}.get(name, lambda: name)()
+    path = TINY_MODELS[name]() if name in TINY_MODELS else name
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--text_encoder {name!r}: no such folder")
     vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
@@ -297,6 +300,14 @@ def heldout_rows(n=120, seed=1):
     return make_t2i_prompts(n, seed=seed)
 
 
+def condition_texts(rows, image_size, *, plan, seed_offset=0):
+    """The text each row's image is conditioned on: its prompt, and with `plan` the scene plan of its render
+    (row i: seed seed_offset + i), joined by a newline as train_mixgrpo joins prompt and reasoning."""
+    if not plan:
+        return [r["prompt"] for r in rows]
+    return [f"{r['prompt']}\n{scene_plan(r, image_size=image_size, seed=seed_offset + i)}" for i, r in enumerate(rows)]
+
+
 @torch.no_grad()
 def vae_roundtrip(gen, images):
     size = images.shape[-1]
@@ -329,8 +340,10 @@ def evaluate_generator(path, *, n=120, seed=1, num_steps=20, guidance_scale=4.0,
     gen = gen if gen is not None else QwenImageGenerator.from_pretrained(path)
     rows = heldout_rows(n, seed)
     with open(os.path.join(path, SUMMARY)) as f:
-        size = json.load(f)["config"]["image_size"]
-    images = sample_images(gen, [r["prompt"] for r in rows], size=size, num_steps=num_steps,
+        config = json.load(f)["config"]
+    size = config["image_size"]
+    texts = condition_texts(rows, size, plan=config.get("plan", False), seed_offset=10**6)
+    images = sample_images(gen, texts, size=size, num_steps=num_steps,
                            guidance_scale=guidance_scale, shift=shift)
     return dict(score_images(images, rows), images=images, rows=rows)
 
@@ -364,13 +377,13 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
         transformer.requires_grad_(True)
         with _timed(stages, "encode"):
             latents = encode_images(gen, images)
-            prompts = sorted({r["prompt"] for r in rows})
+            texts = condition_texts(rows, cfg.image_size, plan=cfg.plan)
+            prompts = sorted(set(texts))
             index = {p: i for i, p in enumerate(prompts)}
             prompt_embeds = encode_prompts(gen, prompts, cfg.image_size)
             neg_embeds = encode_prompts(gen, [cfg.negative_prompt], cfg.image_size)[0]
         with _timed(stages, "flow"):
-            flow_history = train_flow(gen, latents, [index[r["prompt"]] for r in rows], prompt_embeds, neg_embeds,
-                                      cfg, log)
+            flow_history = train_flow(gen, latents, [index[t] for t in texts], prompt_embeds, neg_embeds, cfg, log)
         with _timed(stages, "score"):
             recon = score_images(vae_roundtrip(gen, held_images), held)["table"]["all"]
         log(f"VAE round trip of {len(held)} held-out renders: score {recon['score']}, strict {recon['strict']}")

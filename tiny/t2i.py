@@ -138,10 +138,8 @@ def _meta(meta) -> dict:
     return meta
 
 
-def render_t2i(meta, *, image_size: int = 64, seed: int = 0) -> Image.Image:
-    """Draw an image that satisfies a GenEval-schema row: exactly `count` objects per include item,
-    in the item's colour (a random palette colour otherwise), placed in grid cells so that every
-    `position` relation holds. Deterministic per seed."""
+def layout_t2i(meta, *, image_size: int = 64, seed: int = 0) -> list[dict]:
+    """The objects `render_t2i` draws for a row and seed: [{item, shape, color, x, y, size, cell, grid}]."""
     meta = _meta(meta)
     rng = random.Random(f"render-{seed}-{json.dumps(meta, sort_keys=True)}")
     items = meta["include"]
@@ -153,10 +151,42 @@ def render_t2i(meta, *, image_size: int = 64, seed: int = 0) -> Image.Image:
         objects = []
         for (idx, shape, color), cell in zip(specs, cells):
             x, y, size = _place_in_cell(rng, cell, grid, image_size, (0.55, 0.7))
-            objects.append(dict(item=idx, shape=shape, color=color, x=x, y=y, size=size))
+            objects.append(dict(item=idx, shape=shape, color=color, x=x, y=y, size=size, cell=cell, grid=grid))
         if all(_position_holds(objects, idx, item) for idx, item in enumerate(items)):
-            return render_objects(objects, image_size)
+            return objects
     raise ValueError(f"cannot lay out {meta.get('prompt', meta)!r} on a {grid}x{grid} grid")
+
+
+def render_t2i(meta, *, image_size: int = 64, seed: int = 0) -> Image.Image:
+    """Draw an image that satisfies a GenEval-schema row: exactly `count` objects per include item,
+    in the item's colour (a random palette colour otherwise), placed in grid cells so that every
+    `position` relation holds. Deterministic per seed."""
+    return render_objects(layout_t2i(meta, image_size=image_size, seed=seed), image_size)
+
+
+ROWS_3, COLS_3 = ("top", "middle", "bottom"), ("left", "center", "right")
+
+
+def scene_plan(meta, *, image_size: int = 64, seed: int = 0) -> str:
+    """A drawing plan of `render_t2i(meta, seed=seed)`, object by object in reading order: "red circle top left,
+    blue square middle center". What the tiny planner learns to write and the tiny generator learns to draw."""
+    parts = []
+    for o in sorted(layout_t2i(meta, image_size=image_size, seed=seed), key=lambda o: o["cell"]):
+        row, col = divmod(o["cell"], o["grid"])
+        where = f"{ROWS_3[row]} {COLS_3[col]}" if o["grid"] == 3 else f"row {row + 1} column {col + 1}"
+        parts.append(f"{o['color']} {o['shape']} {where}")
+    return ", ".join(parts)
+
+
+def planner_rows(rows, prompt_template: str, image_size: int = 64) -> list[dict]:
+    """sharegpt rows teaching a VLM to plan the scene: the user asks `prompt_template.format(prompt=...)`, the
+    assistant answers `<think>{scene plan of the render of row i}</think>` (render seed i)."""
+    def row(i, r):
+        plan = scene_plan(r, image_size=image_size, seed=i)
+        return {"id": f"plan-{i}", "messages": [{"role": "user", "content": prompt_template.format(prompt=r["prompt"])},
+                                                 {"role": "assistant", "content": f"<think>{plan}</think>"}]}
+
+    return [row(i, r) for i, r in enumerate(rows)]
 
 
 def _position_holds(objects, idx, item) -> bool:
