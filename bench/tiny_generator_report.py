@@ -7,7 +7,8 @@ For every guidance scale it samples the held-out rows (make_t2i_prompts(n, seed=
 rendered for training, though the prompt strings repeat: the tiny world has ~180 of them) with `num_steps` ODE
 steps, scores them with score_t2i (the "tiny" behaviour: score, strict, detected vs requested objects) and prints
 a Markdown table. As references it scores the same rows' ground-truth renders, their VAE round trips and the
-untrained transformer (the same pipeline with freshly initialised transformer weights). The grid (first scale)
+untrained transformer (the same pipeline with freshly initialised transformer weights), and for a build that reads
+scene plans, each row's prompt with another row's plan (how much the plan is followed). The grid (first scale)
 shows, per row, the prompt, its ground-truth render and `grid_samples` samples of seeds 0, 1, ...; from those
 samples it also prints how much the prompt changes an image compared with how much the noise seed does.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny.generator import (  # noqa: E402
     SUMMARY,
     TinyGeneratorConfig,
+    condition_texts,
     evaluate_generator,
     heldout_rows,
     make_transformer,
@@ -117,6 +119,13 @@ def main():
                                    guidance_scale=args.guidance_scale[0], shift=args.shift, gen=gen)
     tables[f"untrained, CFG {args.guidance_scale[0]:g}"] = untrained["table"]
     gen.transformer = gen.denoiser = gen.t2i.transformer = trained
+    texts = condition_texts(rows, cfg.image_size, plan=cfg.plan, seed_offset=10**6)
+    if cfg.plan:  # does it follow the plan? each row's prompt with the next row's plan
+        plans = [t.split("\n", 1)[1] for t in texts]
+        other = [f"{r['prompt']}\n{p}" for r, p in zip(rows, plans[1:] + plans[:1])]
+        images = sample_images(gen, other, size=cfg.image_size, num_steps=args.num_steps,
+                               guidance_scale=args.guidance_scale[0], shift=args.shift)
+        tables[f"another row's plan, CFG {args.guidance_scale[0]:g}"] = score_images(images, rows)["table"]
 
     print(f"generator {args.path}: {args.n} held-out rows (seed {args.seed}), {args.num_steps} ODE steps, "
           f"shift {args.shift if args.shift is not None else gen.scheduler.config.shift}")
@@ -131,7 +140,7 @@ def main():
                 by_tag[row["tag"]].append(i)
         picked = [i for idx in by_tag.values() for i in idx]
         k = args.grid_samples
-        samples = sample_images(gen, [rows[i]["prompt"] for i in picked for _ in range(k)], size=cfg.image_size,
+        samples = sample_images(gen, [texts[i] for i in picked for _ in range(k)], size=cfg.image_size,
                                 num_steps=args.num_steps, guidance_scale=args.guidance_scale[0],
                                 seeds=list(range(k)) * len(picked), shift=args.shift)
         samples = samples.view(len(picked), k, *samples.shape[1:])

@@ -333,3 +333,19 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
     ckpt = tmp_path / "full" / "checkpoint-5"
     assert (ckpt / "model.safetensors").exists()
     assert (ckpt / "generator_lora" / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_heldout_evaluation_reports_the_shapes_scorers_view(tiny, tmp_path):
+    """On shapes_t2i the held-out result carries strict and detected / requested objects beside the reward (a gain
+    bought with extra objects shows), averaged over the rows; the grid PNG is written."""
+    cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i",
+                  reward_kwargs={"key": "score", "behaviour": "tiny"})
+    rows = tiny["rows"]
+    grid = str(tmp_path / "grid.png")
+    result = tm.evaluate_reason(cfg, rows, policy=tiny["policy"], processor=tiny["processor"], gen=tiny["gen"],
+                                accelerator=tiny["accelerator"], stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
+                                reward_fn=tm.build_reward(cfg), grid_path=grid)
+    assert os.path.isfile(grid) and result["samples"] == len(rows)
+    assert set(result) == {"reward", "format", "samples", "strict", "detected", "requested"}
+    assert result["requested"] == sum(sum(int(i["count"]) for i in r["include"]) for r in rows) / len(rows)
+    assert 0.0 <= result["strict"] <= result["reward"] + 1e-9 <= 1.0 + 1e-9
