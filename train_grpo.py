@@ -37,6 +37,7 @@ from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_refere
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.pcgrad import PCGradAccumulator
+from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.rollout import (
@@ -310,6 +311,8 @@ def main(cfg: GRPOConfig):
     policy = CompletionLogProbs(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
+    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
+    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     rounds_per_epoch = math.ceil(len(dataset) / (prompts_per_micro * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
     # Stepped by hand once per optimizer step (not prepared): the schedule then does not depend on the

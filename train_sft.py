@@ -34,6 +34,7 @@ from utils.hub import HubUploader
 from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core
 from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
@@ -193,6 +194,8 @@ def main(cfg: SFTConfig):
     policy = AssistantNLL(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
+    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
+    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     steps_per_epoch = math.ceil(len(dataset) / (B * world * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     # Stepped by hand once per optimizer step (not prepared), so the schedule does not depend on the world size.

@@ -307,3 +307,11 @@ def test_two_processes_match_one_process(tiny, shapes, tmp_path):
         assert a["tokens"] == b["tokens"]
         assert (a["loss"] == pytest.approx(b["loss"], rel=1e-5)
                 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))
+
+
+def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(tiny, shapes, tmp_path):
+    from utils.errors import InputError
+
+    with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
+        main(_config(tiny, shapes, tmp_path, dtype="bfloat16", learning_rate=1e-6))
+    assert not os.path.exists(tmp_path / "metrics.jsonl") and not list(tmp_path.glob("checkpoint-*"))

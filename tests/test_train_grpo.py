@@ -466,3 +466,11 @@ def test_vllm_flags_default_to_what_the_rollout_module_reads():
 
     defaults = GRPOConfig()
     assert {name: getattr(defaults, name) for name in FLAG_DEFAULTS} == FLAG_DEFAULTS
+
+
+def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(assets, tmp_path):
+    from utils.errors import InputError
+
+    with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
+        run(config(assets, tmp_path, dtype="bfloat16", learning_rate=1e-6))
+    assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("checkpoint-*"))
