@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from kernels import fused_token_logprobs
+from utils.models import activation_checkpointing_on
 from utils.rollout import cache_kwargs
 
 
@@ -49,7 +50,7 @@ class CompletionLogProbs(nn.Module):
         completion) the G completions of a group share one forward pass over their prompt."""
         core = hf_core(self.model)
         if prompt_index is not None:
-            if not getattr(core, "is_gradient_checkpointing", False):
+            if not activation_checkpointing_on(core):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
                                                    temperature, return_entropy)
             prompt_inputs = expand_prompts(prompt_inputs, prompt_index)
