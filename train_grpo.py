@@ -32,7 +32,7 @@ from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, weighted_rewards
 from utils.hub import HubUploader
-from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
@@ -272,8 +272,9 @@ def build_rewards(cfg, columns):
 
 
 def main(cfg: GRPOConfig):
-    # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+    # cpu=True when there is no GPU (`accelerate launch --cpu` does not pass it on to the workers), but not under
+    # a DeepSpeed config (DS_ACCELERATOR=cpu): utils.launch.accelerator_device_kwargs says why.
+    accelerator = Accelerator(**accelerator_device_kwargs(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision="bf16" if cfg.bf16 else "no",
                               log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)

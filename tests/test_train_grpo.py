@@ -474,3 +474,35 @@ def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(a
     with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
         run(config(assets, tmp_path, dtype="bfloat16", learning_rate=1e-6))
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("checkpoint-*"))
+
+
+def launch_with_config(config, args, env=None):
+    """train_grpo.py under `accelerate launch --config_file accelerate_configs/<config>.yaml`, 2 processes, fp32."""
+    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
+           "--num_processes", "2", "--mixed_precision", "no", os.path.join(REPO, "train_grpo.py"), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, tmp_path, zero):
+    # DS_ACCELERATOR=cpu: DeepSpeed's gloo group on the CPU (ZeRO-3: sharded weights, gathered generation)
+    args = dict(per_device_train_batch_size=4, max_steps=2, save_steps=1)
+    finish(launch_with_config("cpu", cli(assets, tmp_path / "ddp", **args)))
+    env = {"DS_ACCELERATOR": "cpu"}
+    finish(launch_with_config(zero, cli(assets, tmp_path / "ds", **args), env))
+    shards = os.listdir(tmp_path / "ds" / "checkpoint-2" / "training_state" / "pytorch_model")
+    assert sorted(s for s in shards if "optim_states" in s) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards  # DeepSpeed ran on 2 ranks
+    finish(launch_with_config(zero, cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(
+        tmp_path / "ds" / "checkpoint-1"), **args), env))
+    ddp, ds = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "ds" / "metrics.jsonl")
+    resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [m["step"] for m in ds] == [1, 2] and [m["step"] for m in resumed] == [2]
+    for a, b in zip(ddp, ds):
+        for key in ("reward", "reward_std", "loss", "completion_length", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert ds[-1]["grad_norm"] > 0
+    for key in ("reward", "loss", "completion_length"):
+        assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key

@@ -34,11 +34,11 @@ class CompletionLogProbs(nn.Module):
         # Under ZeRO-3 a weight is only gathered while its own module runs; the head's forward never
         # runs here, so register its weight as used by this module's forward.
         if hasattr(head.weight, "ds_id"):
-            from deepspeed.zero import register_external_parameter
+            import deepspeed  # `deepspeed.zero` is an attribute, not an importable module: `from deepspeed.zero` fails
 
-            register_external_parameter(self, head.weight)
+            deepspeed.zero.register_external_parameter(self, head.weight)
             if head.bias is not None:
-                register_external_parameter(self, head.bias)
+                deepspeed.zero.register_external_parameter(self, head.bias)
 
     @property
     def config(self):
