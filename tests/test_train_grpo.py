@@ -451,6 +451,19 @@ def test_use_vllm_importance_weights_reach_the_loss_under_dynamic_sampling(asset
     assert m["vllm/logp_diff_mean"] > 0
 
 
+@pytest.mark.slow
+def test_use_vllm_weights_are_against_the_rounds_behaviour_log_probs(assets, tmp_path, fake_vllm):
+    # --num_iterations 2: both passes over a round weight by pi_old / pi_vllm with the round's stored old
+    # log-probs, so the logged weights repeat while the policy itself moves between the passes
+    run(config(assets, tmp_path, use_vllm=True, max_steps=2, num_iterations=2,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    first, second = read_jsonl(tmp_path / "metrics.jsonl")
+    keys = [k for k in first if k.startswith("vllm/")]
+    assert len(keys) == 5 and all(first[k] == second[k] for k in keys), (first, second)
+    assert first["ratio_max_dev"] == 0.0 < second["ratio_max_dev"]
+    assert [c[0] for c in fake_vllm.engines[0].calls].count("generate") == 1  # one round, one generation
+
+
 def test_bad_vllm_flags_fail_before_loading(assets, tmp_path):
     with pytest.raises(ValueError, match="--vllm_importance_sampling_cap 0"):
         run(config(assets, tmp_path, vllm_importance_sampling_cap=0.0))
