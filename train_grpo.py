@@ -32,11 +32,12 @@ from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, weighted_rewards
 from utils.hub import HubUploader
-from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.pcgrad import PCGradAccumulator
+from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.rollout import (
@@ -50,7 +51,14 @@ from utils.rollout import (
 )
 from utils.samplers import CurriculumSampler
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
-from utils.vllm_rollout import VLLMRollout, require_vllm
+from utils.vllm_rollout import (
+    IS_MODES,
+    VLLMRollout,
+    importance_weights,
+    mismatch_metrics,
+    mismatch_stats,
+    require_vllm,
+)
 
 SCALES = ("group", "batch", "none")
 
@@ -116,6 +124,17 @@ class GRPOConfig:
     use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
     allow_double_accuracy: bool = field(default=False,
                                         metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
+    # vLLM engine (with --use_vllm; docs/distributed.md)
+    vllm_gpu_memory_utilization: float = 0.3  # share of the GPU's memory vLLM may take (weights, activations, KV)
+    vllm_max_num_seqs: Optional[int] = None  # most sequences per engine step; none: vLLM's default
+    vllm_max_num_batched_tokens: Optional[int] = 4096  # tokens per engine step (TRL's value); none: vLLM's default
+    vllm_max_model_len: Optional[int] = None  # context window; none: --max_prompt_length + --max_completion_length
+    vllm_enable_sleep_mode: bool = False  # free the engine's memory (weights, KV cache) while training
+    vllm_enforce_eager: bool = False  # no CUDA graphs: faster engine start, slower decoding
+    vllm_importance_sampling_correction: bool = True  # weight the loss by pi_train / pi_vllm, truncated (TRL: on)
+    vllm_importance_sampling_mode: str = choice(*IS_MODES, help=(
+        "per-token or per-sequence ratio; truncate: cut at --vllm_importance_sampling_cap, mask: drop above it"))
+    vllm_importance_sampling_cap: float = 3.0  # C, the largest importance weight kept (TRL's default)
     # difficulty curriculum (OpenVLThinker)
     curriculum: list[str] = field(default_factory=list, metadata={"help": "stages in order, e.g. medium,hard"})
     difficulty_column: str = "difficulty"  # column of easy/medium/hard labels (with --difficulty_samples 0)
@@ -222,6 +241,16 @@ def validate(cfg, num_processes, distributed_type="NO"):
     need(cfg.eval_samples is None or cfg.eval_samples >= 1, "--eval_samples must be >= 1 or none")
     need(cfg.eval_batch_size >= 1, "--eval_batch_size must be >= 1")
     need(cfg.cpu_threads is None or cfg.cpu_threads >= 1, f"--cpu_threads {cfg.cpu_threads} must be >= 1")
+    need(0 < cfg.vllm_gpu_memory_utilization <= 1,
+         f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization} must be in (0, 1]")
+    for flag, value in (("--vllm_max_num_seqs", cfg.vllm_max_num_seqs),
+                        ("--vllm_max_num_batched_tokens", cfg.vllm_max_num_batched_tokens),
+                        ("--vllm_max_model_len", cfg.vllm_max_model_len)):
+        need(value is None or value >= 1, f"{flag} {value} must be >= 1 or none")
+    need(cfg.vllm_importance_sampling_mode in IS_MODES,
+         f"--vllm_importance_sampling_mode {cfg.vllm_importance_sampling_mode!r} is not one of {', '.join(IS_MODES)}")
+    need(cfg.vllm_importance_sampling_cap > 0,
+         f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap} must be > 0")
     if cfg.use_vllm:
         require_vllm()
 
@@ -243,8 +272,9 @@ def build_rewards(cfg, columns):
 
 
 def main(cfg: GRPOConfig):
-    # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+    # cpu=True when there is no GPU (`accelerate launch --cpu` does not pass it on to the workers), but not under
+    # a DeepSpeed config (DS_ACCELERATOR=cpu): utils.launch.accelerator_device_kwargs says why.
+    accelerator = Accelerator(**accelerator_device_kwargs(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision="bf16" if cfg.bf16 else "no",
                               log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
@@ -282,6 +312,8 @@ def main(cfg: GRPOConfig):
     policy = CompletionLogProbs(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
+    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
+    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     rounds_per_epoch = math.ceil(len(dataset) / (prompts_per_micro * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
     # Stepped by hand once per optimizer step (not prepared): the schedule then does not depend on the
@@ -299,7 +331,9 @@ def main(cfg: GRPOConfig):
     ref_policy = prepare_reference_model(cfg, model_path, policy, accelerator) if cfg.beta != 0.0 else None
     if ref_policy is not None and cfg.disable_dropout:
         disable_dropout(ref_policy)
-    vllm = VLLMRollout(model_path, accelerator, cfg) if cfg.use_vllm else None  # clear error without vLLM
+    # one colocated engine per process, fed the trainer's prompt ids and pixel budget (docs/distributed.md)
+    vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config)
+            if cfg.use_vllm else None)
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 
@@ -356,6 +390,9 @@ def main(cfg: GRPOConfig):
                   rewards=accelerator.gather(local_rewards.to(accelerator.device)).cpu())
         if cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
             mb["all_token_ids"] = [t for part in gather_object([token_ids]) for t in part]
+            if out["sampler_logps"] is not None:
+                mine_logps = [lp[m.bool()].tolist() for lp, m in zip(out["sampler_logps"], out["completion_mask"])]
+                mb["all_sampler_logps"] = [lp for part in gather_object([mine_logps]) for lp in part]
         timings["rewards"] += time.perf_counter() - t0
         return mb
 
@@ -376,11 +413,17 @@ def main(cfg: GRPOConfig):
             completion_mask[k, :len(t)] = 1
         texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                        skip_special_tokens=True)
+        sampler_logps = None
+        if groups[0]["sampler_logps"] is not None:  # vLLM's log-probs travel with their completions
+            sampler_logps = torch.zeros(completion_ids.shape)
+            for k, lp in enumerate([lp for g in groups for lp in g["sampler_logps"]][local]):
+                sampler_logps[k, :len(lp)] = torch.tensor(lp)
+            sampler_logps = sampler_logps.to(accelerator.device)
         return dict(prompt_batch=prompt_batch, prompt_index=prompt_index,
                     completion_ids=completion_ids.to(accelerator.device),
                     completion_mask=completion_mask.to(accelerator.device), texts=texts, messages=messages, rows=rows,
                     ids=ids, keys=global_rows[local], token_ids=token_ids, extra={},
-                    rewards=torch.cat([g["rewards"] for g in groups]))
+                    rewards=torch.cat([g["rewards"] for g in groups]), sampler_logps=sampler_logps)
 
     heldout_before = state.get("heldout_before")
     if eval_set is not None and cfg.eval_before and global_step == 0:
@@ -419,6 +462,8 @@ def main(cfg: GRPOConfig):
                         "resample_rounds": extra_rounds, "generated_groups": len(groups)}
         else:
             batches = generated
+        if vllm is not None:
+            vllm.sleep()  # the engine's memory goes back to training (a no-op without --vllm_enable_sleep_mode)
 
         # ---- 2. advantages over whole groups (the gathered rewards), this process's slice ----
         t0 = time.perf_counter()
@@ -450,7 +495,7 @@ def main(cfg: GRPOConfig):
         # ---- 4. mu optimisation passes over this round's completions ----
         policy.train()
         for _ in range(mu):
-            step_loss, step_stats, grad_norm = 0.0, [], None
+            step_loss, step_stats, grad_norm, vllm_stats = 0.0, [], None, []
             for mb in batches:
                 t0 = time.perf_counter()
                 with accelerator.accumulate(policy):
@@ -459,10 +504,18 @@ def main(cfg: GRPOConfig):
                     logps = forward(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature,
                                     prompt_index=mb["prompt_index"])
                     old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
+                    # vLLM sampled with its own kernels: truncated importance weights pi_old / pi_vllm per token
+                    is_weights = None
+                    if mb["sampler_logps"] is not None:
+                        if cfg.vllm_importance_sampling_correction:
+                            is_weights = importance_weights(old, mb["sampler_logps"], mb["completion_mask"],
+                                                            mode=cfg.vllm_importance_sampling_mode,
+                                                            cap=cfg.vllm_importance_sampling_cap)
+                        vllm_stats.append(mismatch_stats(old, mb["sampler_logps"], mb["completion_mask"], is_weights))
                     loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb["ref_logps"],
                                    loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
                                    max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
-                                   num_processes=world)
+                                   num_processes=world, is_weights=is_weights)
                     # accelerate divides by GA; dapo's normaliser already spans the whole step
                     scale = 1.0 if cfg.loss_type == "dapo" else 1.0 / GA
                     if pcgrad:
@@ -489,6 +542,10 @@ def main(cfg: GRPOConfig):
             if global_step % cfg.logging_steps == 0 or global_step == max_steps:
                 metrics = step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator)
                 metrics.update(sampling, **reward_log.metric_means())
+                if vllm_stats:  # sums and maxima over the step's micro-batches, then over the processes
+                    combined = {k: (torch.stack([st[k] for st in vllm_stats]).max() if k.endswith("max")
+                                    else sum(st[k] for st in vllm_stats)) for k in vllm_stats[0]}
+                    metrics.update(mismatch_metrics(combined, accelerator.reduce))
                 metrics.update(learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
                                **{f"time/{k}": v for k, v in timings.items()})
                 logger.log(global_step, metrics)
@@ -614,13 +671,16 @@ def encode_rows(policy, processor, rows, cfg, accelerator, *, keys, sample_ids):
 def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seeds, stop_ids, suppress_ids,
             vllm=None, step=0):
     """Sample one completion per row (rows with equal `keys` are the same prompt); see `encode_rows`. Where the
-    prompts are shared, each is prefilled once in generation too, and its completions continue from its cache."""
+    prompts are shared, each is prefilled once in generation too, and its completions continue from its cache.
+    `sampler_logps` [B, L] is vLLM's log-prob of each sampled token (None on the HF path)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator, keys=keys,
                                                        sample_ids=sample_ids)
-    if vllm is not None:
-        completion_ids, completion_mask = vllm.generate(policy, processor, messages, [images_of(r) for r in rows],
-                                                        seeds, step=step, stop_ids=stop_ids)
+    sampler_logps = None
+    if vllm is not None:  # the same prompt ids (shared rows too); vLLM's log-probs of the sampled tokens come back
+        completion_ids, completion_mask, sampler_logps = vllm.generate(
+            policy, processor, messages, [images_of(r) for r in rows], seeds, step=step, stop_ids=stop_ids,
+            suppress_ids=suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True)
     else:
         with unwrap_for_generation(policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
             completion_ids, completion_mask = generate_completions(
@@ -630,7 +690,7 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     return dict(prompt_batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids,
-                completion_mask=completion_mask, texts=texts, messages=messages)
+                completion_mask=completion_mask, texts=texts, messages=messages, sampler_logps=sampler_logps)
 
 
 def pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw):

@@ -31,9 +31,10 @@ from utils.data import load_sharegpt, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
-from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core
 from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
@@ -165,8 +166,9 @@ def conversation(cfg, row):
 
 
 def main(cfg: SFTConfig):
-    # cpu=True when there is no GPU: `accelerate launch --cpu` does not pass it on to the workers.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+    # cpu=True when there is no GPU (`accelerate launch --cpu` does not pass it on to the workers), but not under
+    # a DeepSpeed config (DS_ACCELERATOR=cpu): utils.launch.accelerator_device_kwargs says why.
+    accelerator = Accelerator(**accelerator_device_kwargs(),
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision="bf16" if cfg.bf16 else "no",
                               log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
@@ -193,12 +195,19 @@ def main(cfg: SFTConfig):
     policy = AssistantNLL(model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
+    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
+    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     steps_per_epoch = math.ceil(len(dataset) / (B * world * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     # Stepped by hand once per optimizer step (not prepared), so the schedule does not depend on the world size.
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer,
                               num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # No DataLoader is prepared, so DeepSpeed learns the micro-batch and clipping from us.
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = B
+        ds_config["gradient_clipping"] = cfg.max_grad_norm
     policy, optimizer = accelerator.prepare(policy, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 

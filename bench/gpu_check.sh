@@ -107,10 +107,13 @@ else
     log "SKIP vllm_smoke: vLLM is not installed (pip install -r requirements-vllm.txt on a machine with network)"
 fi
 
-# ---- 5. train_grpo.py on one GPU without DeepSpeed, then the same with --use_vllm
+# ---- 5. train_grpo.py on one GPU without DeepSpeed, then the same with --use_vllm (engine asleep while training;
+#         the sampler/trainer gap and the importance weights must be logged)
 check grpo_cuda 40 "$PY" train_grpo.py "${TINY_GRPO[@]}" --output_dir "$RESULTS/grpo_cuda"
 if has vllm; then
-    check grpo_vllm 60 "$PY" train_grpo.py "${TINY_GRPO[@]}" --use_vllm --output_dir "$RESULTS/grpo_vllm"
+    check grpo_vllm 60 "$PY" train_grpo.py "${TINY_GRPO[@]}" --use_vllm --vllm_enforce_eager --vllm_enable_sleep_mode \
+        --output_dir "$RESULTS/grpo_vllm"
+    check grpo_vllm_metrics 10 grep -q '"vllm/is_weight_mean"' "$RESULTS/grpo_vllm/metrics.jsonl"
 fi
 
 log "done in $((SECONDS - START))s, status $STATUS; results in $RESULTS"

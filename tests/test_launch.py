@@ -60,3 +60,23 @@ def test_overrides_omp_num_threads_one_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.stdout.split()[-2:] == ["1", "2"]
+
+
+def test_accelerator_keeps_deepspeed_on_without_a_gpu(monkeypatch):
+    from utils.config import ConfigError
+    from utils.launch import accelerator_device_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert accelerator_device_kwargs() == {"cpu": True}  # DDP over gloo, as the launcher does not pass use_cpu
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="DS_ACCELERATOR=cpu"):
+        accelerator_device_kwargs()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    kwargs = accelerator_device_kwargs()
+    assert kwargs["cpu"] is False  # cpu=True would switch DeepSpeed off
+    (handler,) = kwargs["kwargs_handlers"]
+    assert handler.backend == "gloo"  # without it accelerate counts 1 process in DeepSpeed's group of 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert accelerator_device_kwargs() == {}

@@ -93,3 +93,29 @@ def test_bad_loss_type_names_the_flag():
         on_policy(loss_type="ppo")
     with pytest.raises(ValueError, match="max_completion_length"):
         on_policy(loss_type="dr_grpo")
+
+
+def test_importance_weights_scale_the_surrogate_not_the_kl():
+    # on-policy (rho = 1): per-token loss = -w * A + beta * k3, mean over the 5 real tokens (bnpo)
+    logps = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.2, 0.3]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.4, 0.3, 0.5], [0.2, 0.1, 0.3]]))
+    w = torch.tensor([[0.5, 2.0, 7.0], [1.0, 0.0, 4.0]], requires_grad=True)
+    beta = 0.3
+    loss, stats = clipped_policy_loss(logps, logps.detach(), ADV, MASK, beta=beta, ref_logps=ref, loss_type="bnpo",
+                                      is_weights=w)
+    kl = k3_kl(logps.detach(), ref)
+    per_token = -w.detach() * ADV[:, None] + beta * kl
+    assert loss.item() == pytest.approx(((per_token * MASK).sum() / 5).item())
+    unweighted, plain_stats = clipped_policy_loss(logps, logps.detach(), ADV, MASK, beta=beta, ref_logps=ref,
+                                                  loss_type="bnpo")
+    assert unweighted.item() != pytest.approx(loss.item())
+    assert stats["kl"].item() == pytest.approx(plain_stats["kl"].item())  # the KL term is not weighted
+    # gradient: d/dlogp of -w rho A is -w A (rho = 1); of beta k3 is beta (1 - exp(ref - logp))
+    loss.backward()
+    want = (-w.detach() * ADV[:, None] + beta * (1 - torch.exp(ref - logps.detach()))) * MASK / 5
+    assert torch.allclose(logps.grad, want, atol=1e-6)
+    assert w.grad is None  # the weights are constants of the loss
+    # one weight per sequence ([B, 1], the sequence_* modes) scales each sequence's surrogate
+    seq, _ = clipped_policy_loss(logps.detach(), logps.detach(), ADV, MASK, loss_type="grpo",
+                                 is_weights=torch.tensor([[2.0], [0.5]]))
+    assert seq.item() == pytest.approx((2.0 * -1.0 + 0.5 * 0.5) / 2)

@@ -334,3 +334,34 @@ def test_flow_model_is_deterministic_and_errors(tmp_path):
         load_flow_model(tmp_path / "partial")
     with pytest.raises(ModelLoadError, match="missing-flow"):
         load_flow_model(tmp_path / "missing-flow")
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_activation_checkpointing_follows_the_installed_transformers_without_warnings(tiny, use_peft):
+    import warnings
+    from types import SimpleNamespace
+
+    from utils.logprobs import CompletionLogProbs, hf_core
+    from utils.models import activation_checkpointing_on, prepare_for_training
+    from utils.prompts import build_messages
+    from utils.rollout import encode_prompts
+
+    model, processor = load_model_and_processor(tiny["qwen2_5_vl"])
+    assert not activation_checkpointing_on(model)
+    cfg = SimpleNamespace(gradient_checkpointing=True, use_peft=use_peft, lora_r=2, lora_alpha=4, lora_dropout=0.0,
+                          lora_target_modules=["q_proj", "v_proj"])
+    with warnings.catch_warnings():
+        # the deprecated names warn in transformers 5.24 (PEFT itself still reads one of them while it wraps)
+        warnings.simplefilter("ignore" if use_peft else "error", FutureWarning)
+        model = prepare_for_training(model, cfg)
+    messages, images = [build_messages("What colour is it?", num_images=1)], [[Image.new("RGB", (56, 56), "red")]]
+    batch = encode_prompts(processor, messages, images, sample_ids=["a"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert activation_checkpointing_on(hf_core(model))
+        # a group's log-probs ask the same question on every step (checkpointing turns the shared pass off)
+        logps = CompletionLogProbs(model)(batch, torch.tensor([[5, 6], [7, 8]]), torch.ones(2, 2, dtype=torch.long),
+                                          prompt_index=torch.tensor([0, 0]))
+    assert logps.shape == (2, 2)
+    layers = [m for m in hf_core(model).modules() if getattr(m, "gradient_checkpointing", False)]
+    assert layers and model.config.use_cache is False

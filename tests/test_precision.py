@@ -51,3 +51,18 @@ def test_set_ups_that_keep_their_updates_pass(case):
     else:
         cls = torch.optim.SGD  # its step scales with the gradient: not judged
     check_update_precision(cls(params, lr=lr), **kwargs)
+
+
+@pytest.mark.parametrize("zero_stage, mixed_precision, master", [
+    (None, "bf16", False),  # no DeepSpeed: the optimizer steps the weights themselves
+    (2, "no", True), (3, "bf16", True),  # ZeRO keeps fp32 partitions
+    (0, "bf16", True), (0, "no", False),  # stage 0: only DeepSpeed's bf16 / fp16 optimizers keep fp32 copies
+])
+def test_deepspeed_master_weights(zero_stage, mixed_precision, master):
+    from types import SimpleNamespace
+
+    from utils.precision import deepspeed_master_weights
+
+    plugin = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), mixed_precision=mixed_precision)
+    assert deepspeed_master_weights(accelerator) is master

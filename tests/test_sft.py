@@ -307,3 +307,68 @@ def test_two_processes_match_one_process(tiny, shapes, tmp_path):
         assert a["tokens"] == b["tokens"]
         assert (a["loss"] == pytest.approx(b["loss"], rel=1e-5)
                 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))
+
+
+def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(tiny, shapes, tmp_path):
+    from utils.errors import InputError
+
+    with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
+        main(_config(tiny, shapes, tmp_path, dtype="bfloat16", learning_rate=1e-6))
+    assert not os.path.exists(tmp_path / "metrics.jsonl") and not list(tmp_path.glob("checkpoint-*"))
+
+
+def _launch_sft(config, tiny, shapes, out, *extra, env=None):
+    """train_sft.py under `accelerate launch --config_file accelerate_configs/<config>.yaml` on 2 CPU processes
+    (fp32: --mixed_precision no), 3 steps at a constant rate, a checkpoint every step."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    args = [accelerate, "launch", "--config_file", os.path.join(repo, "accelerate_configs", f"{config}.yaml"),
+            "--num_processes", "2", "--mixed_precision", "no", os.path.join(repo, "train_sft.py"),
+            "--model_name_or_path", tiny["qwen2_5_vl"], "--dataset_name", shapes, "--per_device_train_batch_size", "2",
+            "--max_steps", "3", "--save_steps", "1", "--learning_rate", "1e-3", "--lr_scheduler_type", "constant",
+            "--max_length", "512", "--report_to", "none", "--output_dir", str(out), *extra]
+    proc = subprocess.run(args, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(out / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny, shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    return out, _launch_sft("cpu", tiny, shapes, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes_exactly(tiny, shapes, tmp_path, ddp_run, config):
+    from transformers import AutoModelForImageTextToText
+
+    ddp_out, ddp_rows = ddp_run
+    env = {"DS_ACCELERATOR": "cpu"}
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    rows = _launch_sft(config, tiny, shapes, full, env=env)
+    # DeepSpeed really ran, on 2 ranks: its optimizer state is partitioned in two
+    shards = os.listdir(full / "checkpoint-3" / "training_state" / "pytorch_model")
+    assert sorted(s for s in shards if "optim_states" in s) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for ds, ddp in zip(rows, ddp_rows):  # the same global batch and loss normalisation as DDP
+        assert ds["tokens"] == ddp["tokens"]
+        assert ds["loss"] == pytest.approx(ddp["loss"], rel=1e-5) and ds["grad_norm"] == pytest.approx(
+            ddp["grad_norm"], rel=1e-4)
+    again = _launch_sft(config, tiny, shapes, resumed, "--resume_from_checkpoint", str(full / "checkpoint-2"),
+                        env=env)
+    assert [r["step"] for r in again] == [3] and again[0]["loss"] == rows[2]["loss"]
+    a = load_file(str(full / "checkpoint-3" / "model.safetensors"))
+    b = load_file(str(resumed / "checkpoint-3" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the HF copy loads as the DDP run's weights (up to the sharded reductions' rounding)
+    ds_model = AutoModelForImageTextToText.from_pretrained(full / "checkpoint-3").state_dict()
+    ddp_model = AutoModelForImageTextToText.from_pretrained(ddp_out / "checkpoint-3").state_dict()
+    assert ds_model.keys() == ddp_model.keys()
+    assert max((ds_model[k] - ddp_model[k]).abs().max().item() for k in ddp_model) < 1e-4

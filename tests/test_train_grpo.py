@@ -392,3 +392,130 @@ def test_use_vllm_without_vllm_is_a_clear_error_before_loading(assets, tmp_path)
     with pytest.raises((ImportError, RuntimeError), match="--use_vllm"):
         run(config(assets, tmp_path, use_vllm=True))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vLLM replaced by the fake engine of tests/vllm_helpers.py (importable as `vllm`, no GPU needed); the
+    rendezvous variables the rollout sets for the engine are undone after the test."""
+    import utils.vllm_rollout
+    from tests.vllm_helpers import DIST_KEYS, FakeVLLM
+
+    for key in DIST_KEYS:
+        monkeypatch.setenv(key, "x")
+        monkeypatch.delenv(key)
+    monkeypatch.setitem(sys.modules, "vllm", FakeVLLM)
+
+    def require_vllm():  # the real import, without the CUDA check
+        import vllm
+
+        return vllm
+
+    monkeypatch.setattr(utils.vllm_rollout, "require_vllm", require_vllm)
+    monkeypatch.setattr(train_grpo, "require_vllm", require_vllm)
+    FakeVLLM.engines.clear()
+    return FakeVLLM
+
+
+@pytest.mark.slow
+def test_use_vllm_trains_with_importance_weights_and_logs_the_mismatch(assets, tmp_path, fake_vllm):
+    run(config(assets, tmp_path, use_vllm=True, vllm_enable_sleep_mode=True, max_steps=2, save_steps=2,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0 < m["vllm/logp_diff_mean"] <= m["vllm/logp_diff_max"], m
+        assert 0 < m["vllm/is_weight_min"] <= m["vllm/is_weight_mean"] <= m["vllm/is_weight_max"] <= 3.0, m
+        assert 3 <= m["completion_length"] <= 5  # the fake's completions: 2 to 4 tokens and a stop id
+        assert m["loss"] == m["loss"] and m["grad_norm"] > 0  # finite, and the policy trains
+    (engine,) = fake_vllm.engines
+    assert engine.kwargs["gpu_memory_utilization"] == 0.3 and engine.kwargs["max_num_batched_tokens"] == 4096
+    assert engine.kwargs["enable_sleep_mode"] is True and "limit_mm_per_prompt" in engine.kwargs
+    # asleep until the first round; each round: weights back and synced, KV cache back, generate, asleep again
+    round_calls = ["wake_up", "reset_prefix_cache", "wake_up", "generate", "sleep"]
+    assert [c[0] for c in engine.calls] == ["sleep"] + round_calls * 2
+    assert engine.params[0].logit_bias and engine.params[0].max_tokens == 8  # suppressed tokens, the budget
+    assert (tmp_path / "checkpoint-2").is_dir()
+
+
+@pytest.mark.slow
+def test_use_vllm_importance_weights_reach_the_loss_under_dynamic_sampling(assets, tmp_path, fake_vllm):
+    # token_mask with a cap below every ratio: every weight is 0, so is the policy loss (beta 0); the weights
+    # travel with their completions through dynamic sampling's regrouping
+    run(config(assets, tmp_path, use_vllm=True, max_steps=1, dynamic_sampling=True, max_resample_rounds=8,
+               reward_funcs=["tests.grpo_helpers:constant_on_even_prompts"],
+               vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_cap=1e-12))
+    (m,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert m["frac_reward_zero_std"] == 0.0 and m["resample_rounds"] > 0
+    assert m["vllm/is_weight_max"] == 0.0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert m["vllm/logp_diff_mean"] > 0
+
+
+@pytest.mark.slow
+def test_use_vllm_weights_are_against_the_rounds_behaviour_log_probs(assets, tmp_path, fake_vllm):
+    # --num_iterations 2: both passes over a round weight by pi_old / pi_vllm with the round's stored old
+    # log-probs, so the logged weights repeat while the policy itself moves between the passes
+    run(config(assets, tmp_path, use_vllm=True, max_steps=2, num_iterations=2,
+               reward_funcs=["tests.grpo_helpers:completion_length"]))
+    first, second = read_jsonl(tmp_path / "metrics.jsonl")
+    keys = [k for k in first if k.startswith("vllm/")]
+    assert len(keys) == 5 and all(first[k] == second[k] for k in keys), (first, second)
+    assert first["ratio_max_dev"] == 0.0 < second["ratio_max_dev"]
+    assert [c[0] for c in fake_vllm.engines[0].calls].count("generate") == 1  # one round, one generation
+
+
+def test_bad_vllm_flags_fail_before_loading(assets, tmp_path):
+    with pytest.raises(ValueError, match="--vllm_importance_sampling_cap 0"):
+        run(config(assets, tmp_path, vllm_importance_sampling_cap=0.0))
+    with pytest.raises(ValueError, match="--vllm_gpu_memory_utilization 1.5"):
+        run(config(assets, tmp_path, vllm_gpu_memory_utilization=1.5))
+    with pytest.raises(ValueError, match="--vllm_max_num_batched_tokens 0"):
+        run(config(assets, tmp_path, vllm_max_num_batched_tokens=0))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_vllm_flags_default_to_what_the_rollout_module_reads():
+    from utils.vllm_rollout import FLAG_DEFAULTS
+
+    defaults = GRPOConfig()
+    assert {name: getattr(defaults, name) for name in FLAG_DEFAULTS} == FLAG_DEFAULTS
+
+
+def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(assets, tmp_path):
+    from utils.errors import InputError
+
+    with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
+        run(config(assets, tmp_path, dtype="bfloat16", learning_rate=1e-6))
+    assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("checkpoint-*"))
+
+
+def launch_with_config(config, args, env=None):
+    """train_grpo.py under `accelerate launch --config_file accelerate_configs/<config>.yaml`, 2 processes, fp32."""
+    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
+           "--num_processes", "2", "--mixed_precision", "no", os.path.join(REPO, "train_grpo.py"), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, tmp_path, zero):
+    # DS_ACCELERATOR=cpu: DeepSpeed's gloo group on the CPU (ZeRO-3: sharded weights, gathered generation)
+    args = dict(per_device_train_batch_size=4, max_steps=2, save_steps=1)
+    finish(launch_with_config("cpu", cli(assets, tmp_path / "ddp", **args)))
+    env = {"DS_ACCELERATOR": "cpu"}
+    finish(launch_with_config(zero, cli(assets, tmp_path / "ds", **args), env))
+    shards = os.listdir(tmp_path / "ds" / "checkpoint-2" / "training_state" / "pytorch_model")
+    assert sorted(s for s in shards if "optim_states" in s) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards  # DeepSpeed ran on 2 ranks
+    finish(launch_with_config(zero, cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(
+        tmp_path / "ds" / "checkpoint-1"), **args), env))
+    ddp, ds = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "ds" / "metrics.jsonl")
+    resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [m["step"] for m in ds] == [1, 2] and [m["step"] for m in resumed] == [2]
+    for a, b in zip(ddp, ds):
+        for key in ("reward", "reward_std", "loss", "completion_length", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert ds[-1]["grad_norm"] > 0
+    for key in ("reward", "loss", "completion_length"):
+        assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import SuppressTokensLogitsProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from tests.vllm_helpers import DIST_KEYS, FakeVLLM, request_output
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from utils.logprobs import CompletionLogProbs
@@ -36,8 +37,6 @@ from utils.vllm_rollout import (
     unpack_outputs,
     vllm_prompts,
 )
-
-DIST_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +174,6 @@ def test_prompt_ids_are_the_trainers_own(tiny):
 # ----------------------------------------------------------------------------------------------
 # outputs: ids, masks, log-probs
 # ----------------------------------------------------------------------------------------------
-
-
-def request_output(prompt, tokens, logps=None, missing=()):
-    entries = None
-    if logps is not None:
-        entries = [{} if t in missing else {tok: SimpleNamespace(logprob=lp, rank=1)}
-                   for t, (tok, lp) in enumerate(zip(tokens, logps))]
-    return SimpleNamespace(prompt_token_ids=list(prompt), outputs=[SimpleNamespace(token_ids=list(tokens),
-                                                                                   logprobs=entries)])
 
 
 def test_outputs_are_masked_like_the_hf_path():
@@ -341,54 +331,6 @@ def test_lora_is_merged_layer_by_layer_without_touching_the_policy(tiny):
 # ----------------------------------------------------------------------------------------------
 # the rollout object against a fake engine
 # ----------------------------------------------------------------------------------------------
-
-
-class FakeEngineModel:
-    def __init__(self):
-        self.loaded = []
-
-    def load_weights(self, weights):
-        self.loaded += [name for name, _ in weights]
-
-
-class FakeLLM:
-    """What VLLMRollout uses of vllm.LLM, recording the calls; completions follow the request's seed."""
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls, self.model = kwargs, [], FakeEngineModel()
-        self.env = {k: os.environ.get(k) for k in DIST_KEYS}
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
-        FakeVLLM.engines.append(self)
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags):
-        self.calls.append(("wake_up", tuple(tags)))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-    def generate(self, prompts, params, use_tqdm):
-        self.calls.append(("generate", len(prompts)))
-        self.prompts, self.params = prompts, params
-        outs = []
-        for prompt, p in zip(prompts, params):
-            n = 2 + p.seed % 3
-            tokens = [20 + (p.seed + t) % 5 for t in range(n)] + [p.stop_token_ids[0]]
-            outs.append(request_output(prompt["prompt_token_ids"], tokens[: p.max_tokens], [-0.5] * len(tokens)))
-        self.outputs = outs
-        return outs
-
-
-class FakeVLLM:
-    engines = []
-    LLM = FakeLLM
-
-    @staticmethod
-    def SamplingParams(**kwargs):  # noqa: N802 - the vllm name
-        return SimpleNamespace(**kwargs)
 
 
 @pytest.fixture

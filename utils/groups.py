@@ -28,12 +28,15 @@ def has_spread(rewards, reward_weights, G, per_objective=False):
 
 
 def split_groups(generated, G, reward_weights, per_objective):
-    """Every group of the generated micro-batches, in order: prompt, token ids, rewards and whether it varies."""
+    """Every group of the generated micro-batches, in order: prompt, token ids (and vLLM's log-probs of them),
+    rewards and whether it varies."""
     groups = []
     for mb in generated:
         spread = has_spread(mb["rewards"], reward_weights, G, per_objective)
         for g, prompt in enumerate(mb["prompt_rows"]):
+            sampler_logps = mb.get("all_sampler_logps")  # vLLM's per-token log-probs, when it sampled
             groups.append(dict(prompt=prompt, token_ids=mb["all_token_ids"][g * G:(g + 1) * G],
+                               sampler_logps=sampler_logps[g * G:(g + 1) * G] if sampler_logps else None,
                                rewards=mb["rewards"][g * G:(g + 1) * G], spread=bool(spread[g])))
     return groups
 

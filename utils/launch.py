@@ -1,5 +1,5 @@
-"""CPU launch fixes: start the N processes `accelerate launch --cpu --num_processes N` asked for, and give
-each process its share of the cores.
+"""CPU launch fixes: start the N processes `accelerate launch --cpu --num_processes N` asked for, give
+each process its share of the cores, and the Accelerator arguments that keep DeepSpeed on without a GPU.
 
 For `--cpu`, accelerate's simple launcher starts one process and expects mpirun to fan it out; without
 an MPI hostfile it silently runs a single process with world size 1. The launcher does leave its
@@ -43,6 +43,34 @@ def relaunch_multi_cpu_if_needed():
            sys.argv[0], *sys.argv[1:]]
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
+
+
+def accelerator_device_kwargs():
+    """The device arguments of a train script's `Accelerator(...)`.
+
+    With a GPU: none. Without one: `cpu=True`, because accelerate's torchrun launcher does not pass
+    `use_cpu` on to the workers. Except under a DeepSpeed config (`ACCELERATE_USE_DEEPSPEED=true`, which needs
+    `DS_ACCELERATOR=cpu` on a CPU machine): `cpu=True` would switch DeepSpeed off (accelerate's state.py
+    enables it only `if not cpu`), and with `cpu=False` and no backend named, `PartialState` finds no GPU
+    backend and takes its "no backend, no distributed training" branch (1 process, rank 0) even though
+    DeepSpeed has just formed its gloo group of N. Naming gloo (`InitProcessGroupKwargs(backend="gloo")`)
+    makes the state count the group's processes.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return {"cpu": True}
+    if os.environ.get("DS_ACCELERATOR", "").lower() != "cpu":
+        from utils.config import ConfigError
+
+        raise ConfigError("a DeepSpeed accelerate config without a GPU needs DS_ACCELERATOR=cpu in the environment "
+                          "(DeepSpeed picks its device at import), or a non-DeepSpeed config such as "
+                          "accelerate_configs/cpu.yaml")
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
 
 
 def set_cpu_threads(requested=None):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from kernels import fused_token_logprobs
+from utils.models import activation_checkpointing_on
 from utils.rollout import cache_kwargs
 
 
@@ -33,11 +34,11 @@ class CompletionLogProbs(nn.Module):
         # Under ZeRO-3 a weight is only gathered while its own module runs; the head's forward never
         # runs here, so register its weight as used by this module's forward.
         if hasattr(head.weight, "ds_id"):
-            from deepspeed.zero import register_external_parameter
+            import deepspeed  # `deepspeed.zero` is an attribute, not an importable module: `from deepspeed.zero` fails
 
-            register_external_parameter(self, head.weight)
+            deepspeed.zero.register_external_parameter(self, head.weight)
             if head.bias is not None:
-                register_external_parameter(self, head.bias)
+                deepspeed.zero.register_external_parameter(self, head.bias)
 
     @property
     def config(self):
@@ -49,7 +50,7 @@ class CompletionLogProbs(nn.Module):
         completion) the G completions of a group share one forward pass over their prompt."""
         core = hf_core(self.model)
         if prompt_index is not None:
-            if not getattr(core, "is_gradient_checkpointing", False):
+            if not activation_checkpointing_on(core):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
                                                    temperature, return_entropy)
             prompt_inputs = expand_prompts(prompt_inputs, prompt_index)

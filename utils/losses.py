@@ -17,11 +17,13 @@ def k3_kl(logps, ref_logps):
 
 def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon_low=0.2, epsilon_high=None, beta=0.0,
                         ref_logps=None, loss_type="grpo", importance_sampling_level="token",
-                        max_completion_length=None, num_items_in_batch=None, num_processes=1):
+                        max_completion_length=None, num_items_in_batch=None, num_processes=1, is_weights=None):
     """GRPO surrogate on per-token log-probs [B, T] with advantages [B] and a completion mask [B, T].
 
-    per-token loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * k3
-    with rho = exp(logp - logp_old) per token, or per sequence (GSPO: exp of the mean log-ratio).
+    per-token loss = -w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * k3
+    with rho = exp(logp - logp_old) per token, or per sequence (GSPO: exp of the mean log-ratio), and w the
+    sampler-correction weights `is_weights` ([B, T] or [B, 1], no gradient; 1 when none): they scale the
+    surrogate only, not the KL term (TRL's placement).
     Normalisation (`loss_type`):
       grpo    mean over a sequence's tokens, then mean over sequences
       bnpo    mean over all tokens of the local batch
@@ -45,6 +47,8 @@ def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon_low=0.2, 
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
     per_token = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(logps.dtype)
     kl = None
     if beta != 0.0:
         if ref_logps is None:

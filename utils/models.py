@@ -211,11 +211,28 @@ def freeze_vision_tower(model, *, include_projector: bool = False) -> int:
 _freeze_vision_tower = freeze_vision_tower
 
 
+def enable_activation_checkpointing(model):
+    """Recompute activations in backward (non-reentrant). transformers 5.24 renamed `gradient_checkpointing_enable`
+    to `activation_checkpointing_enable` (the old name warns and goes in v6); the vLLM set's 5.20 has only the old."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def activation_checkpointing_on(model) -> bool:
+    """Whether `model` recomputes activations: `is_activation_checkpointing` (5.24) or `is_gradient_checkpointing`
+    (5.20; a property that warns on every read in 5.24), looked up on the class so the old one is never read."""
+    name = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, name, False))
+
+
 def prepare_for_training(model, cfg):
     """Gradient checkpointing and LoRA as the train scripts' flags ask (`gradient_checkpointing`,
     `use_peft`, `lora_r`, `lora_alpha`, `lora_dropout`, `lora_target_modules`); returns the model to train."""
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         model.config.use_cache = False
     if cfg.use_peft:
         from peft import LoraConfig, get_peft_model

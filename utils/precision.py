@@ -9,6 +9,8 @@ precision (fp32 weights, `--bf16` autocast) or DeepSpeed (fp32 master weights) k
 
 import torch
 
+from utils.errors import InputError
+
 # significant bits after the leading one
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 SAMPLE_PER_TENSOR = 1 << 16  # weights looked at per tensor (evenly strided), enough for a fraction
@@ -47,8 +49,17 @@ def check_update_precision(optimizer, *, master_weights=False):
         if count and fraction > MAX_LOST_FRACTION:
             dtype = next(p.dtype for p in params if p.dtype in MANTISSA_BITS)
             name = str(dtype).removeprefix("torch.")
-            raise ValueError(
+            raise InputError(  # a script ends with this one line (utils.errors), no traceback
                 f"--dtype {name} trains {count:,} {name} weights with {type(optimizer).__name__} at learning rate "
                 f"{group['lr']:g}: a step that small rounds away for {fraction:.0%} of them, so they would never "
                 f"change. Load fp32 weights and train in mixed precision (--dtype float32 --bf16), use DeepSpeed "
                 "(fp32 master weights), or raise --learning_rate")
+
+
+def deepspeed_master_weights(accelerator):
+    """Whether DeepSpeed will step fp32 copies of the weights (`master_weights` above): under every ZeRO stage
+    (its partitioned optimizer keeps fp32 partitions), and under its bf16 / fp16 optimizers at stage 0."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return False
+    return plugin.zero_stage > 0 or accelerator.mixed_precision in ("bf16", "fp16")
