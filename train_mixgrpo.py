@@ -26,7 +26,7 @@ from transformers import get_scheduler
 from rewards import get_reward
 from tiny.cache import _cached
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import choice, config_to_dict, parse_config, save_config
+from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.flow_generators import Guidance, SDEStep, load_flow_generator, sample, step_logprob
 from utils.flow_sde import image_kl
 from utils.hub import HubUploader
@@ -518,6 +518,10 @@ def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_
 
 
 def main(cfg: MixGRPOConfig):
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":  # before any process group forms
+        raise ConfigError("train_mixgrpo.py does not run under a DeepSpeed accelerate config yet: it prepares two "
+                          "models (the VLM and the generator), one engine each; launch it with DDP "
+                          "(accelerate_configs/ddp.yaml, or --cpu)")
     # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no",
                               log_with=_trackers(cfg.report_to), project_dir=cfg.output_dir,

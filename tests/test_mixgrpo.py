@@ -349,3 +349,11 @@ def test_heldout_evaluation_reports_the_shapes_scorers_view(tiny, tmp_path):
     assert set(result) == {"reward", "format", "samples", "strict", "detected", "requested"}
     assert result["requested"] == sum(sum(int(i["count"]) for i in r["include"]) for r in rows) / len(rows)
     assert 0.0 <= result["strict"] <= result["reward"] + 1e-9 <= 1.0 + 1e-9
+
+
+def test_a_deepspeed_launch_is_refused_with_a_clear_error(monkeypatch):
+    from utils.config import ConfigError
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="DeepSpeed accelerate config"):
+        tm.main(MixGRPOConfig(**TINY_CFG))
