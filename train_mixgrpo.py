@@ -595,6 +595,7 @@ def main(cfg: MixGRPOConfig):
                                  stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn,
                                  grid_path=os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
         logger.log(global_step, {f"heldout/{k}": v for k, v in result.items()})
+        logger.log_image(global_step, f"heldout/{tag}", os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
         return result
 
     heldout_before = state.get("heldout_before")
@@ -765,10 +766,11 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                                                                                                        batch_rows)]
         results += [(i, float(s), f, im, d) for i, s, (f, _), im, d in zip(idx, scores, parsed, out.images, details)]
     policy.train(was_training)
-    gathered = sorted((r for part in gather_object([[(i, s, f, d) for i, s, f, _, d in results]]) for r in part),
-                      key=lambda r: r[0])
+    # every process's rows, the grid's first 64 images included (PIL images pickle; the rest go without theirs)
+    mine_rows = [(i, s, f, d, im if i < 64 else None) for i, s, f, im, d in results]
+    gathered = sorted((r for part in gather_object([mine_rows]) for r in part), key=lambda r: r[0])
     if accelerator.is_main_process:
-        grid_images = [r[3] for r in sorted(results, key=lambda r: r[0])][:64]
+        grid_images = [r[4] for r in gathered if r[4] is not None]
         if grid_images:
             save_grid(grid_images, grid_path)
     n = len(gathered)
@@ -788,7 +790,7 @@ def shapes_details(image, row):
 
 
 def save_grid(images, path, columns=8):
-    """Paste PIL images into one grid PNG (rank 0's share of the held-out images, in row order)."""
+    """Paste PIL images into one grid PNG (the first held-out rows' images, in row order)."""
     from PIL import Image
 
     w, h = images[0].size

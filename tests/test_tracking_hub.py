@@ -60,6 +60,23 @@ def test_run_logger_writes_jsonl_tensorboard_and_a_line_per_step(tmp_path, capsy
     assert "step 2/4" in out and "reward 0.5" in out and "eta" in out
 
 
+def test_run_logger_sends_a_grid_png_to_tensorboard(tmp_path):
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    Image.new("RGB", (24, 16), (255, 0, 0)).save(tmp_path / "grid.png")
+    accelerator = Accelerator(cpu=True, log_with=tracker_list("tensorboard"), project_dir=str(tmp_path))
+    logger = RunLogger(tmp_path, accelerator, report_to="tensorboard", total_steps=2)
+    logger.log_image(2, "heldout/after", tmp_path / "grid.png")
+    logger.log_image(2, "heldout/missing", tmp_path / "absent.png")  # no file: nothing sent, no error
+    logger.close()
+    events = EventAccumulator(str(next(tmp_path.glob("mmgrpo/events.out.tfevents.*")).parent))
+    events.Reload()
+    assert events.Tags()["images"] == ["heldout/after"]
+    (image,) = events.Images("heldout/after")
+    assert (image.step, image.width, image.height) == (2, 24, 16)
+
+
 def test_run_logger_resume_truncates_rows_after_start_step(tmp_path):
     accelerator = Accelerator(cpu=True)
     with RunLogger(tmp_path, accelerator, report_to="none", total_steps=10) as logger:

@@ -192,6 +192,20 @@ class RunLogger:
             print(f"step {int(step)}/{self.total_steps}  {info}  {per_step:.2f} s/step  eta {_format_duration(eta)}",
                   flush=True)
 
+    def log_image(self, step: int, name: str, path):
+        """An image file (a grid PNG) to the trackers that take images: TensorBoard and W&B (others skip it)."""
+        if not (self.is_main and self._trackers_on and os.path.isfile(path)):
+            return
+        import numpy as np
+        from PIL import Image
+
+        image = Image.open(path).convert("RGB")
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log_images({name: np.asarray(image)[None]}, step=int(step), dataformats="NHWC")
+            elif tracker.name == "wandb":
+                tracker.log_images({name: [image]}, step=int(step))
+
     def log_completions(self, step: int, rows: list[dict]):
         """One JSON line per sampled completion (prompt, completion, rewards ...) tagged with its step."""
         if not self.is_main:
