@@ -27,6 +27,17 @@ def _keep_torch_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def two_torch_threads():
+    """Two torch threads for a whole module of model tests (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def distill_world(tmp_path_factory):
     """(questions.jsonl, its rows, a tiny reasoner that knows their chains by heart): tests/distill_helpers.py."""

@@ -21,12 +21,7 @@ PROMPTS = ["a photo of two red circles", "a blue square"]
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 @pytest.fixture(scope="module")

@@ -34,12 +34,7 @@ SMALL = dict(train_rows=64, vae_steps=3, vae_batch_size=4, steps=3, batch_size=4
              num_attention_heads=2, attention_head_dim=16, log_every=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 @pytest.fixture(scope="module")
