@@ -37,14 +37,18 @@ def test_every_flag_has_a_meaning():
     assert rows and all(not line.rstrip().endswith("|  |") for line in rows), [r for r in rows if r.endswith("|  |")]
 
 
+# Paths outside the repository that a file must not point to, spelled in pieces so this file passes itself.
+OUTSIDE = ("DESIGN" + ".md", ".." + "/shared")
+
+
 def test_nothing_points_outside_the_repository():
     offenders = []
     for path in tracked():
-        if path.endswith((".png", ".jpg", ".safetensors")) or path == "tests/test_docs.py":
+        if path.endswith((".png", ".jpg", ".safetensors")):
             continue
         with open(os.path.join(REPO, path), encoding="utf-8", errors="ignore") as f:
             text = f.read()
-        if "DESIGN.md" in text or "../shared" in text:
+        if any(target in text for target in OUTSIDE):
             offenders.append(path)
     assert not offenders
 
