@@ -127,21 +127,25 @@ def _source(*objects):
     return [inspect.getsource(o) if callable(o) else repr(o) for o in objects]
 
 
-def _sharegpt_folder(name, spec, make_rows):
-    """A save_to_disk folder of sharegpt rows (messages, and images when the rows have them) from the shapes
-    training split, cached by `spec`."""
-    def build(out):
-        import datasets
+def save_sharegpt(rows, out):
+    """sharegpt rows (id, messages, and images when the rows have them) as a save_to_disk folder."""
+    import datasets
 
+    message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    features = {"id": datasets.Value("string"), "messages": datasets.List(message)}
+    if "images" in rows[0]:
+        features["images"] = datasets.List(datasets.Image())
+    datasets.Dataset.from_list(rows, features=datasets.Features(features)).save_to_disk(out)
+    return out
+
+
+def _sharegpt_folder(name, spec, make_rows):
+    """A save_to_disk folder of sharegpt rows made from the shapes training split, cached by `spec`."""
+    def build(out):
         from utils.data import load_table
 
         train = load_table(shapes_dataset_path(), split="train")
-        rows = make_rows([train[i] for i in range(len(train))])
-        message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-        features = {"id": datasets.Value("string"), "messages": datasets.List(message)}
-        if "images" in rows[0]:
-            features["images"] = datasets.List(datasets.Image())
-        datasets.Dataset.from_list(rows, features=datasets.Features(features)).save_to_disk(out)
+        save_sharegpt(make_rows([train[i] for i in range(len(train))]), out)
 
     return _cached(name, spec, build)
 
@@ -181,13 +185,8 @@ def tiny_planner_path():
             "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}
 
     def build(out):
-        import datasets
-
-        rows = t2i.planner_rows(t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"]), REASON_PROMPT,
-                                image_size=PLANNER_ROWS["image_size"])
-        message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-        features = datasets.Features({"id": datasets.Value("string"), "messages": datasets.List(message)})
-        datasets.Dataset.from_list(rows, features=features).save_to_disk(out)
+        rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])
+        save_sharegpt(t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"]), out)
 
     data = _cached("plans", spec, build)
     return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", tiny_sft_path(),
