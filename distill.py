@@ -35,8 +35,9 @@ import PIL.Image
 
 from tiny.cache import REPO, TINY_DATASET, resolve_tiny_name, shapes_dataset_path
 from utils.chains import DROP_REASONS, REFLECTION_MARKERS, SELECT_RULES, Grader, filter_chains
-from utils.config import choice, parse_config, save_config
+from utils.config import ConfigError, choice, parse_config, save_config
 from utils.data import IMAGE_MARKER, images_of, load_vqa, render_question
+from utils.errors import exit_on_bad_input
 from utils.launch import set_cpu_threads
 from utils.prompts import CAPTION_PROMPT, REASONER_PROMPT, SYSTEM_PROMPTS
 
@@ -110,31 +111,31 @@ class DistillConfig:
 def validate(cfg):
     """Every flag combination that cannot work fails here, before a model is loaded or a request sent."""
     if cfg.num_chains < 1:
-        raise ValueError(f"--num_chains must be >= 1, got {cfg.num_chains}")
+        raise ConfigError(f"--num_chains must be >= 1, got {cfg.num_chains}")
     for flag in ("batch_size", "max_concurrency", "caption_max_new_tokens", "max_new_tokens"):
         if getattr(cfg, flag) < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
+            raise ConfigError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
     if cfg.max_retries < 0 or cfg.request_timeout <= 0:
-        raise ValueError("--max_retries must be >= 0 and --request_timeout > 0")
+        raise ConfigError("--max_retries must be >= 0 and --request_timeout > 0")
     if cfg.chain_source == "reasoner":
         sources = [cfg.caption_column, cfg.captioner_base_url]
         if sum(s is not None for s in sources) > 1:
-            raise ValueError("give one caption source: --caption_column, --captioner_base_url or --captioner")
+            raise ConfigError("give one caption source: --caption_column, --captioner_base_url or --captioner")
         if cfg.captioner_base_url and not cfg.captioner_model:
-            raise ValueError("--captioner_base_url needs --captioner_model (the model name the server serves)")
+            raise ConfigError("--captioner_base_url needs --captioner_model (the model name the server serves)")
         if not (cfg.caption_column or cfg.captioner_base_url or cfg.captioner):
-            raise ValueError("--chain_source reasoner needs captions: --captioner, --captioner_base_url or "
+            raise ConfigError("--chain_source reasoner needs captions: --captioner, --captioner_base_url or "
                              "--caption_column")
         if bool(cfg.reasoner_base_url) == cfg.reasoner_serve:
-            raise ValueError("--chain_source reasoner needs exactly one of --reasoner_base_url (a running server) "
+            raise ConfigError("--chain_source reasoner needs exactly one of --reasoner_base_url (a running server) "
                              "or --reasoner_serve (start transformers serve for --reasoner_model)")
         missing = [k for k in ("caption", "question") if "{" + k + "}" not in cfg.reasoner_prompt]
         if missing:
-            raise ValueError(f"--reasoner_prompt must contain {', '.join('{' + k + '}' for k in missing)}")
+            raise ConfigError(f"--reasoner_prompt must contain {', '.join('{' + k + '}' for k in missing)}")
     elif bool(cfg.model) == bool(cfg.model_base_url):
-        raise ValueError("--chain_source model needs exactly one of --model or --model_base_url")
+        raise ConfigError("--chain_source model needs exactly one of --model or --model_base_url")
     elif cfg.model_base_url and not cfg.served_model_name:
-        raise ValueError("--model_base_url needs --served_model_name (the model name the server serves)")
+        raise ConfigError("--model_base_url needs --served_model_name (the model name the server serves)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,11 +377,11 @@ def main(cfg: DistillConfig):
                        answer_column=cfg.answer_column, choices_column=cfg.choices_column, id_column=cfg.id_column,
                        require_steps=False)
     if cfg.caption_column and cfg.caption_column not in dataset.column_names:
-        raise ValueError(f"--caption_column {cfg.caption_column!r} is not a column of {cfg.dataset}; columns: "
+        raise ConfigError(f"--caption_column {cfg.caption_column!r} is not a column of {cfg.dataset}; columns: "
                          f"{dataset.column_names}")
     ids = dataset["id"]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{cfg.dataset}: question ids are not unique (set --id_column)")
+        raise ConfigError(f"{cfg.dataset}: question ids are not unique (set --id_column)")
     order = list(range(len(dataset)))
     if cfg.shuffle_seed is not None:
         random.Random(cfg.shuffle_seed).shuffle(order)
@@ -460,4 +461,5 @@ class Progress:
 
 
 if __name__ == "__main__":
-    main(parse_config(DistillConfig, sys.argv[1:] or ["--config", TINY_DISTILL_RECIPE]))
+    with exit_on_bad_input("distill.py"):  # bad input (data, model paths) ends in one line
+        main(parse_config(DistillConfig, sys.argv[1:] or ["--config", TINY_DISTILL_RECIPE]))

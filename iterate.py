@@ -38,6 +38,7 @@ import yaml
 
 from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET
 from utils.config import ConfigError, choice, parse_config, save_config
+from utils.errors import exit_on_bad_input
 from utils.serving import die_with_parent
 
 TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
@@ -92,13 +93,13 @@ class IterateConfig:
 
 def validate(cfg):
     if cfg.num_cycles < 1:
-        raise ValueError(f"--num_cycles must be >= 1, got {cfg.num_cycles}")
+        raise ConfigError(f"--num_cycles must be >= 1, got {cfg.num_cycles}")
     if not cfg.sft_sizes or min(cfg.sft_sizes) < 1:
-        raise ValueError(f"--sft_sizes must be positive row counts, got {cfg.sft_sizes}")
+        raise ConfigError(f"--sft_sizes must be positive row counts, got {cfg.sft_sizes}")
     if not 0.0 <= cfg.keep_previous < 1.0:
-        raise ValueError(f"--keep_previous must be in [0, 1), got {cfg.keep_previous}")
+        raise ConfigError(f"--keep_previous must be in [0, 1), got {cfg.keep_previous}")
     if cfg.accelerate_config and not os.path.isfile(cfg.accelerate_config):
-        raise ValueError(f"--accelerate_config: file not found: {cfg.accelerate_config}")
+        raise ConfigError(f"--accelerate_config: file not found: {cfg.accelerate_config}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def stage_recipe(recipe, overrides, forced, defaults=None):
     path = _recipe_path(recipe)
     if path:
         if not os.path.isfile(path):
-            raise ValueError(f"recipe file not found: {recipe}")
+            raise ConfigError(f"recipe file not found: {recipe}")
         with open(path) as f:
             merged.update(yaml.safe_load(f) or {})
     merged.update(overrides)
@@ -506,4 +507,5 @@ def _stage_folders(cycle_folder):
 
 
 if __name__ == "__main__":
-    main(parse_config(IterateConfig, sys.argv[1:] or ["--config", TINY_CYCLES_RECIPE]))
+    with exit_on_bad_input("iterate.py"):
+        main(parse_config(IterateConfig, sys.argv[1:] or ["--config", TINY_CYCLES_RECIPE]))

@@ -27,6 +27,7 @@ from rewards import get_reward
 from tiny.cache import _cached
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
+from utils.errors import InputError, exit_on_bad_input
 from utils.flow_generators import Guidance, SDEStep, load_flow_generator, sample, step_logprob
 from utils.flow_sde import image_kl
 from utils.hub import HubUploader
@@ -119,6 +120,11 @@ class MixGRPOConfig:
     num_timesteps_edit: int = 20  # flow steps of the refine stage's image
     enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
     max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
+    # MixGRPO's sliding window (reason stage): W consecutive SDE steps per image instead of R3's one random step
+    sde_window_size: int = 0  # W SDE steps per reason image, all trained; 0: R3's one random step (MixGRPO: 4)
+    sde_window_shift_interval: int = 25  # reason steps before the window moves (MixGRPO's iters_per_group)
+    sde_window_stride: Optional[int] = None  # steps the window moves by; none: its size (no overlap)
+    sde_window_roll_back: bool = False  # past the last step, start again at step 0; false: stay at the end
     noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
     cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
     perfect_buffer_prob: float = 0.15  # a reflect step draws from the perfect (score 1) pool with this probability
@@ -165,46 +171,51 @@ class MixGRPOConfig:
 def validate(cfg, num_processes):
     """Flag combinations that cannot work fail here, before anything is loaded."""
     if cfg.group_size < 2:
-        raise ValueError("--group_size must be >= 2 (a group of one has zero advantage)")
+        raise ConfigError("--group_size must be >= 2 (a group of one has zero advantage)")
     if cfg.policy_group_size < 1 or cfg.group_size % cfg.policy_group_size:
-        raise ValueError(f"--group_size {cfg.group_size} is not a multiple of --policy_group_size "
+        raise ConfigError(f"--group_size {cfg.group_size} is not a multiple of --policy_group_size "
                          f"{cfg.policy_group_size}")
     if num_processes % cfg.policy_group_size:
-        raise ValueError(f"{num_processes} processes do not split into policy groups of --policy_group_size "
+        raise ConfigError(f"{num_processes} processes do not split into policy groups of --policy_group_size "
                          f"{cfg.policy_group_size}")
     if cfg.prompts_per_policy_group < 1:
-        raise ValueError("--prompts_per_policy_group must be >= 1")
+        raise ConfigError("--prompts_per_policy_group must be >= 1")
     if cfg.temperature <= 0:
-        raise ValueError("--temperature must be > 0 for GRPO sampling")
+        raise ConfigError("--temperature must be > 0 for GRPO sampling")
     if cfg.num_timesteps_gen < 2:
-        raise ValueError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
+        raise ConfigError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
     if len(cfg.cfg_interval) != 2 or not 0 <= cfg.cfg_interval[0] < cfg.cfg_interval[1] <= 1:
-        raise ValueError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
+        raise ConfigError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
     if not (cfg.tune_text_cot or cfg.tune_image_cot):
-        raise ValueError("--tune_text_cot and --tune_image_cot are both off: nothing to train")
+        raise ConfigError("--tune_text_cot and --tune_image_cot are both off: nothing to train")
     if cfg.tune_image_cot and not cfg.enable_sde_gen:
-        raise ValueError("--tune_image_cot needs --enable_sde_gen (ODE images carry no log-prob to train)")
+        raise ConfigError("--tune_image_cot needs --enable_sde_gen (ODE images carry no log-prob to train)")
+    if not 0 <= cfg.sde_window_size <= cfg.num_timesteps_gen - 1:
+        raise ConfigError(f"--sde_window_size {cfg.sde_window_size} must lie in [0, --num_timesteps_gen - 1 = "
+                          f"{cfg.num_timesteps_gen - 1}] (the last step is never an SDE step)")
+    if cfg.sde_window_size and (cfg.sde_window_shift_interval < 1 or (cfg.sde_window_stride or 1) < 1):
+        raise ConfigError("--sde_window_shift_interval and --sde_window_stride must be >= 1")
     if cfg.reflect_refine and not 1 <= cfg.max_sde_timestep_idx_for_edit <= cfg.num_timesteps_edit:
-        raise ValueError(f"--max_sde_timestep_idx_for_edit {cfg.max_sde_timestep_idx_for_edit} must lie in [1, "
+        raise ConfigError(f"--max_sde_timestep_idx_for_edit {cfg.max_sde_timestep_idx_for_edit} must lie in [1, "
                          f"--num_timesteps_edit {cfg.num_timesteps_edit}]")
     if not 0 <= cfg.perfect_buffer_prob <= 1:
-        raise ValueError(f"--perfect_buffer_prob {cfg.perfect_buffer_prob} must lie in [0, 1]")
+        raise ConfigError(f"--perfect_buffer_prob {cfg.perfect_buffer_prob} must lie in [0, 1]")
     if cfg.generator_lora_r < 1:
-        raise ValueError("--generator_lora_r must be >= 1 (full fine-tuning of the generator is not supported yet)")
+        raise ConfigError("--generator_lora_r must be >= 1 (full fine-tuning of the generator is not supported yet)")
     if cfg.conditioning == "policy" and num_processes > 1:
-        raise ValueError("--conditioning policy is not supported yet with more than one process")
+        raise ConfigError("--conditioning policy is not supported yet with more than one process")
     if cfg.reward_fn not in REWARDS and ":" not in cfg.reward_fn:
-        raise ValueError(f"--reward_fn {cfg.reward_fn!r}: expected one of {REWARDS} or module:function")
+        raise ConfigError(f"--reward_fn {cfg.reward_fn!r}: expected one of {REWARDS} or module:function")
     if cfg.dataset_name == "tiif" and cfg.reward_fn in REWARDS and cfg.reward_fn != "judge_tiif":
-        raise ValueError("--dataset_name tiif is scored by --reward_fn judge_tiif")
+        raise ConfigError("--dataset_name tiif is scored by --reward_fn judge_tiif")
     if cfg.dataset_name != "tiif" and cfg.reward_fn == "judge_tiif":
-        raise ValueError("--reward_fn judge_tiif needs --dataset_name tiif (yes/no question lists)")
+        raise ConfigError("--reward_fn judge_tiif needs --dataset_name tiif (yes/no question lists)")
     for flag in ("train_data_path", "val_data_path"):
         if getattr(cfg, flag) == TINY and cfg.dataset_name != "shapes_t2i":
-            raise ValueError(f"--{flag} tiny is the shapes_t2i prompt set; give a file for --dataset_name "
+            raise ConfigError(f"--{flag} tiny is the shapes_t2i prompt set; give a file for --dataset_name "
                              f"{cfg.dataset_name}")
     if cfg.push_to_hub and not cfg.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
+        raise ConfigError("--push_to_hub needs --hub_model_id")
 
 
 # ---- the tiny world ----
@@ -323,28 +334,48 @@ def text_rollout(cfg, step, global_ids, messages, images, max_new_tokens, *, pol
     return dict(batch=batch, ids=ids, mask=mask, texts=texts, old_logps=old_logps, global_ids=global_ids)
 
 
+def sde_window(cfg, step):
+    """MixGRPO's sliding window for training step `step`: the reason stage's SDE step indices, W consecutive ones.
+    It starts at step 0 and moves by --sde_window_stride every --sde_window_shift_interval reason steps; past the
+    last full window (which ends at step num_timesteps_gen - 2) it stays there, or with --sde_window_roll_back
+    starts again at 0. A function of the step alone, so a resumed run uses the same windows."""
+    size, stride = cfg.sde_window_size, cfg.sde_window_stride or cfg.sde_window_size
+    reason_steps = step // 2 if cfg.reflect_refine else step  # reason steps before this one
+    start = (reason_steps // cfg.sde_window_shift_interval) * stride
+    last = cfg.num_timesteps_gen - 1 - size  # the last start whose window holds W steps
+    if start > last:
+        start = start % ((last // stride + 1) * stride) if cfg.sde_window_roll_back else last
+        start = min(start, last)
+    return list(range(start, start + size))
+
+
 def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
-                  noise_level, guidance):
+                  noise_level, guidance, window=None):
     """Images for each prompt's share: the group shares the initial noise and one SDE step index (uniform in
-    [0, sde_range)), each rollout has its own SDE noise; every other step is ODE. Returns (PIL images, steps,
-    SDE step index per image)."""
+    [0, sde_range)), or with `window` (MixGRPO) the window's SDE steps; each rollout has its own SDE noise; every
+    other step is ODE. Returns (PIL images, steps, first SDE step index per image, image of each step): steps
+    are ordered window position first, then image, so `step_image` maps each recorded step to its image."""
     per = cfg.group_size // cfg.policy_group_size
-    images, steps, sde_index = [], [], []
+    images, by_position, sde_index = [], [[] for _ in window or [0]], []
     for k, q in enumerate(prompt_ids):
         part = torch.arange(k * per, (k + 1) * per)
         noise_gen = torch.Generator(device=device).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
         noise = gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen).repeat(per, 1, 1)
         pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 2, step, [q])[0]))
-        index = int(torch.randint(0, sde_range, (1,), generator=pick))
-        out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=[index] if enable_sde else [],
+        sde_steps = list(window) if window else [int(torch.randint(0, sde_range, (1,), generator=pick))]
+        out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=sde_steps if enable_sde else [],
                      guidance=guidance, noise_level=noise_level, noise_cap=cfg.noise_cap, shift=cfg.timestep_shift,
                      generator=torch_generators(seeds_for(cfg.seed, 3, step, global_ids[k * per:(k + 1) * per]),
                                                 device),
                      latents=noise, output_type="pil")
         images += out.images
-        steps += out.steps
-        sde_index += [index] * per
-    return images, (SDEStep.cat(steps) if steps else None), torch.tensor(sde_index, dtype=torch.float32)
+        for position, recorded in zip(by_position, out.steps):
+            position.append(recorded)
+        sde_index += [sde_steps[0]] * per
+    steps = [recorded for position in by_position for recorded in position]
+    step_image = torch.arange(len(images)).repeat(len(steps) // len(prompt_ids)) if steps else None
+    return (images, (SDEStep.cat(steps) if steps else None), torch.tensor(sde_index, dtype=torch.float32),
+            step_image)
 
 
 def score_images(cfg, reward_fn, texts, images, rows):
@@ -378,15 +409,17 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
     image_prompts = [f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(local_rows, parsed)]
     cond = gen.encode_condition(image_prompts, height=cfg.image_size, width=cfg.image_size,
                                 negative_prompt=cfg.negative_prompt)
-    images, steps, sde_index = image_rollout(
+    images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
         sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
-        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)))
+        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+        window=sde_window(cfg, step) if cfg.sde_window_size else None)
     scores = score_images(cfg, reward_fn, roll["texts"], images, local_rows)
     formats = torch.tensor([f for f, _ in parsed])
     text_r, image_r = reason_rewards(scores, formats, cfg.format_weight)
     return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
-                sde_index=sde_index, rows=local_rows, text_rewards=text_r, image_rewards=image_r,
+                sde_index=sde_index, step_image=step_image, rows=local_rows, text_rewards=text_r,
+                image_rewards=image_r,
                 image_mask=torch.ones(len(images)))
 
 
@@ -427,7 +460,7 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
     cond = gen.encode_condition([f"{r['prompt']}\n{instruction}" for r, (_, instruction, _) in zip(rows, parsed)],
                                 images=[e["image"] for e in local], height=cfg.image_size, width=cfg.image_size,
                                 negative_prompt=cfg.negative_prompt)
-    images, steps, sde_index = image_rollout(
+    images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
         num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
         enable_sde=cfg.enable_sde_edit, noise_level=cfg.noise_level_edit,
@@ -443,7 +476,7 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
     formats = torch.tensor([f for f, _, _ in parsed])
     text_r, image_r = reflect_rewards(scores, prev, formats, no_edit, cfg.format_weight)
     return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
-                sde_index=sde_index, rows=rows, text_rewards=text_r, image_rewards=image_r,
+                sde_index=sde_index, step_image=step_image, rows=rows, text_rewards=text_r, image_rewards=image_r,
                 image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
 
 
@@ -456,8 +489,14 @@ def gather_by_index(accelerator, values, global_ids, total):
     return out.cpu()
 
 
+def step_condition(roll):
+    """The rollout's condition with one row per recorded SDE step (a window records several per image)."""
+    return roll["cond"].select(roll["step_image"])
+
+
 def image_logprobs(gen, cond, steps, *, reference=False):
-    """The SDE steps' (log-prob, mean, std) recomputed with the rollout's guidance (CFG kept); reference: LoRA off."""
+    """The SDE steps' (log-prob, mean, std) recomputed with the rollout's guidance (CFG kept); reference: LoRA off.
+    `cond` has one row per step (`step_condition`)."""
     if reference:
         with torch.no_grad(), gen.reference():
             return step_logprob(gen, cond, steps)
@@ -477,7 +516,7 @@ def build_policy(cfg, vlm_path, gen_path, device):
     joint = gen.transformer.config.joint_attention_dim
     hidden = hf_core(model).config.get_text_config().hidden_size
     if joint != hidden:
-        raise ValueError(f"--generator_name_or_path reads {joint}-dim text states but --model_name_or_path has "
+        raise InputError(f"--generator_name_or_path reads {joint}-dim text states but --model_name_or_path has "
                          f"hidden size {hidden}")
     gen_params = gen.add_lora(cfg.generator_lora_r, alpha=cfg.generator_lora_alpha)
     if cfg.gradient_checkpointing:
@@ -490,7 +529,9 @@ def build_policy(cfg, vlm_path, gen_path, device):
 def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
     """ce_weight * (token clipped surrogate / the step's text tokens + kl_weight_text * k3)
     + mse_weight * (clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL).
-    Normalisers span all processes (DDP averages the gradients, hence the world factor). Returns (loss, stats)."""
+    With a window of W SDE steps per image each step is one term with its image's advantage, and the image part is
+    their mean (n_images x W terms). Normalisers span all processes (DDP averages the gradients, hence the world
+    factor). Returns (loss, stats)."""
     loss, stats = torch.zeros((), device=roll["ids"].device), {}
     if cfg.tune_text_cot:
         logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
@@ -502,11 +543,12 @@ def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_
         stats.update(loss_text=text_loss.detach(), kl_text=st["kl"], clip_ratio_text=st["clip_ratio"],
                      ratio_max_dev_text=st["ratio_max_dev"])
     if cfg.tune_image_cot and roll["steps"] is not None:
-        steps = roll["steps"]
-        logp, mean, std = image_logprobs(gen, roll["cond"], steps)
-        ones = roll["image_mask"].to(logp)[:, None]  # refine samples without an edit are not trained
-        n = torch.tensor(float(n_images), device=logp.device)
-        surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv_image, ones,
+        steps, of = roll["steps"], roll["step_image"]
+        logp, mean, std = image_logprobs(gen, step_condition(roll), steps)
+        ones = roll["image_mask"][of].to(logp)[:, None]  # refine samples without an edit are not trained
+        n = torch.tensor(float(n_images * (len(of) // len(roll["images"]))), device=logp.device)
+        surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv_image[of.to(adv_image.device)],
+                                            ones,
                                             epsilon_low=cfg.clip_range_image, loss_type="dapo",
                                             num_items_in_batch=n, num_processes=world)
         kl = (image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)) * ones[:, 0]
@@ -629,7 +671,7 @@ def main(cfg: MixGRPOConfig):
             accelerator.device)  # no edit: advantage 0
         with torch.no_grad():
             ref_logps = ref_policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if ref_policy else None
-            ref_mean = (image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
+            ref_mean = (image_logprobs(gen, step_condition(roll), roll["steps"], reference=True)[1]
                         if cfg.tune_image_cot and cfg.kl_weight_image and roll["steps"] is not None else None)
         text_tokens = accelerator.reduce(roll["mask"].sum().float(), "sum")
 
@@ -704,6 +746,10 @@ def main(cfg: MixGRPOConfig):
                             if k in after and k in heldout_before)
             accelerator.print(f"held-out reward (reason): before {heldout_before['reward']:.4f} -> after "
                               f"{after['reward']:.4f} ({len(val_rows)} prompts{extra})")
+            if "refine_reward" in after and "refine_reward" in heldout_before:
+                accelerator.print(f"held-out reward (reason + refine): before {heldout_before['refine_reward']:.4f} "
+                                  f"-> after {after['refine_reward']:.4f} (kept as drawn: "
+                                  f"{heldout_before['refine_no_edit']:.2f} -> {after['refine_no_edit']:.2f})")
     logger.close()
     if accelerator.is_main_process:
         write_summary(cfg.output_dir, summary)
@@ -727,12 +773,55 @@ def _trackers(report_to):
 
 
 @torch.no_grad()
+def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processor, accelerator, stop_ids,
+                 suppress_ids):
+    """Greedy completions of a held-out batch (chat messages, one image list per row)."""
+    tokenizer = processor.tokenizer
+    batch = encode_prompts(processor, messages, images, sample_ids=[f"held-out row {i}" for i in idx],
+                           max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+    with unwrap_for_generation(policy, accelerator) as unwrapped:
+        ids, mask = generate_completions(unwrapped.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
+                                         max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                                         pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
+    return tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+
+
+def score_heldout(cfg, reward_fn, texts, images, batch_rows):
+    columns = {key: [r.get(key) for r in batch_rows] for key in sorted({k for r in batch_rows for k in r})}
+    scores = reward_fn(texts, images=images, **columns)
+    if any(s is None for s in scores):
+        raise RuntimeError(f"reward {cfg.reward_fn} returned no score on a held-out image")
+    return [float(s) for s in scores]
+
+
+def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
+    """Held-out reflect + refine of the reason images: greedy reflection on each image, then an ODE refine with
+    --eval_num_timesteps from noise seeded by the row; "no further edit needed" keeps the image. Returns
+    (reflections, refined images, no-edit flags)."""
+    messages = [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in batch_rows]
+    texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
+                         accelerator=accelerator, **generate)
+    parsed = [reflection_of(t) for t in texts]
+    cond = gen.encode_condition([f"{r['prompt']}\n{instruction}" for r, (_, instruction, _) in zip(batch_rows, parsed)],
+                                images=images, height=cfg.image_size, width=cfg.image_size,
+                                negative_prompt=cfg.negative_prompt)
+    noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size,
+                                           torch.Generator(device=accelerator.device).manual_seed(cfg.seed + 7919 + i))
+                       for i in idx])
+    out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
+                 guidance=Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval)), shift=cfg.timestep_shift,
+                 latents=noise, output_type="pil")
+    no_edit = [keep for _, _, keep in parsed]
+    return texts, [im if keep else new for im, new, keep in zip(images, out.images, no_edit)], no_edit
+
+
 def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
                     grid_path):
     """Held-out reason stage: greedy reasoning, ODE image with --eval_num_timesteps from noise seeded by the row,
-    scored by --reward_fn; rows are shared out over the processes. Writes a grid PNG. Returns mean reward/format."""
+    scored by --reward_fn; rows are shared out over the processes. Writes a grid PNG. Returns mean reward/format.
+    With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward` (the refined image's score),
+    `refine_no_edit` (the share kept as drawn) and a second grid (`*_refine.png`)."""
     rank, world = accelerator.process_index, accelerator.num_processes
-    tokenizer = processor.tokenizer
     mine = list(range(rank, len(rows), world))
     results = []
     was_training = policy.training
@@ -740,15 +829,9 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     for start in range(0, len(mine), 16):
         idx = mine[start:start + 16]
         batch_rows = [rows[i] for i in idx]
-        messages = [[{"role": "user", "content": [{"type": "text", "text": REASON_PROMPT.format(prompt=r["prompt"])}]}]
-                    for r in batch_rows]
-        batch = encode_prompts(processor, messages, [[] for _ in idx], sample_ids=[f"held-out row {i}" for i in idx],
-                               max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
-        with unwrap_for_generation(policy, accelerator) as unwrapped:
-            ids, mask = generate_completions(unwrapped.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
-                                             max_new_tokens=cfg.max_output_token_n_gen, eos_token_id=stop_ids,
-                                             pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
-        texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+        generate = dict(policy=policy, processor=processor, stop_ids=stop_ids, suppress_ids=suppress_ids)
+        texts = greedy_texts(cfg, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in batch_rows],
+                             [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator, **generate)
         parsed = [reasoning_of(t) for t in texts]
         cond = gen.encode_condition([f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(batch_rows, parsed)],
                                     height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt)
@@ -758,24 +841,35 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
         out = sample(gen, cond, num_steps=cfg.eval_num_timesteps, guidance=Guidance(cfg.cfg_scale_gen,
                                                                                      interval=tuple(cfg.cfg_interval)),
                      shift=cfg.timestep_shift, latents=noise, output_type="pil")
-        columns = {key: [r.get(key) for r in batch_rows] for key in sorted({k for r in batch_rows for k in r})}
-        scores = reward_fn(texts, images=out.images, **columns)
-        if any(s is None for s in scores):
-            raise RuntimeError(f"reward {cfg.reward_fn} returned no score on a held-out image")
+        scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
         details = [shapes_details(im, r) if cfg.dataset_name == "shapes_t2i" else {} for im, r in zip(out.images,
                                                                                                        batch_rows)]
-        results += [(i, float(s), f, im, d) for i, s, (f, _), im, d in zip(idx, scores, parsed, out.images, details)]
+        refined = [None] * len(idx)
+        if cfg.reflect_refine:
+            reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, gen, accelerator,
+                                                          **generate)
+            new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+            refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
+                       for s, k, im in zip(new_scores, no_edit, images)]
+            for d, r, im in zip(details, batch_rows, images):
+                if cfg.dataset_name == "shapes_t2i":
+                    d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
+        results += [(i, s, f, im, d, ref) for i, s, (f, _), im, d, ref in zip(idx, scores, parsed, out.images,
+                                                                              details, refined)]
     policy.train(was_training)
     # every process's rows, the grid's first 64 images included (PIL images pickle; the rest go without theirs)
-    mine_rows = [(i, s, f, d, im if i < 64 else None) for i, s, f, im, d in results]
+    mine_rows = [(i, s, f, {**d, **{k: v for k, v in (ref or {}).items() if k != "image"}},
+                  im if i < 64 else None, ref["image"] if ref and i < 64 else None)
+                 for i, s, f, im, d, ref in results]
     gathered = sorted((r for part in gather_object([mine_rows]) for r in part), key=lambda r: r[0])
     if accelerator.is_main_process:
-        grid_images = [r[4] for r in gathered if r[4] is not None]
-        if grid_images:
-            save_grid(grid_images, grid_path)
+        for position, path in ((4, grid_path), (5, grid_path.replace(".png", "_refine.png"))):
+            grid_images = [r[position] for r in gathered if r[position] is not None]
+            if grid_images:
+                save_grid(grid_images, path)
     n = len(gathered)
     result = dict(reward=sum(r[1] for r in gathered) / n, format=sum(r[2] for r in gathered) / n, samples=n)
-    for key in sorted({k for r in gathered for k in r[3]}):  # the shapes scorer's view: strict, objects drawn
+    for key in sorted({k for r in gathered for k in r[3]}):  # refine, and the shapes scorer's view (strict, objects)
         result[key] = sum(r[3][key] for r in gathered) / n
     return result
 
@@ -805,4 +899,5 @@ def save_grid(images, path, columns=8):
 
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
-    main(parse_config(MixGRPOConfig, sys.argv[1:] or ["--config", TINY_MIXGRPO_RECIPE]))
+    with exit_on_bad_input("train_mixgrpo.py"):  # bad input (data, model paths) ends in one line
+        main(parse_config(MixGRPOConfig, sys.argv[1:] or ["--config", TINY_MIXGRPO_RECIPE]))

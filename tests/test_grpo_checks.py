@@ -153,3 +153,16 @@ def test_bad_input_ends_the_script_in_one_line(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "reward 'trl.rewards:accuracy_reward' needs 'solution'" in lines[0], lines
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("iterate.py", ["--num_cycles", "0"], "--num_cycles must be >= 1, got 0"),
+    ("distill.py", ["--chain_source", "model"], "--chain_source model needs exactly one of --model"),
+    ("train_mixgrpo.py", ["--group_size", "1"], "--group_size must be >= 2"),
+])
+def test_other_scripts_refuse_bad_flags_in_one_line(tmp_path, script, args, message):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, script), *args, "--output_dir", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

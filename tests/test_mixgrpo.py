@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from PIL import Image
 
 import train_mixgrpo as tm
 from train_mixgrpo import MixGRPOConfig
@@ -99,6 +100,8 @@ def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std()
     (dict(dataset_name="geneval", train_data_path="tiny"), 4, "--train_data_path tiny"),
     (dict(dataset_name="tiif", train_data_path="a", val_data_path=None, reward_fn="geneval"), 4, "judge_tiif"),
     (dict(generator_lora_r=0), 4, "not supported yet"),
+    (dict(sde_window_size=20), 4, "--sde_window_size 20 must lie in"),
+    (dict(sde_window_size=4, sde_window_shift_interval=0), 4, "--sde_window_shift_interval"),
 ])
 def test_validate_refuses_bad_flags(overrides, world, message):
     with pytest.raises(ValueError, match=message):
@@ -190,6 +193,46 @@ def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
     with torch.no_grad():
         untempered = policy(roll["batch"], roll["ids"], roll["mask"], 1.0)
     assert ((untempered - roll["old_logps"]) * roll["mask"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("overrides, windows", [
+    # 10 flow steps: SDE steps lie in [0, 9); MixGRPO's progressive window, moved every 2 reason steps
+    (dict(sde_window_size=4), [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2 + [[5, 6, 7, 8]] * 4),
+    (dict(sde_window_size=4, sde_window_roll_back=True), [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2 + [[0, 1, 2, 3]] * 2
+     + [[4, 5, 6, 7]] * 2),
+    (dict(sde_window_size=3, sde_window_stride=2), [[0, 1, 2]] * 2 + [[2, 3, 4]] * 2 + [[4, 5, 6]] * 2
+     + [[6, 7, 8]] * 2),
+    # with reflect + refine only the even (reason) steps count: the window moves every 4 training steps
+    (dict(sde_window_size=2, reflect_refine=True), [[0, 1]] * 4 + [[2, 3]] * 4),
+])
+def test_sliding_window_moves_every_shift_interval_and_stops_or_rolls_back_at_the_end(overrides, windows):
+    cfg = MixGRPOConfig(**{**dict(num_timesteps_gen=10, sde_window_shift_interval=2, reflect_refine=False),
+                           **overrides})
+    tm.validate(cfg, 4)
+    assert [tm.sde_window(cfg, step) for step in range(len(windows))] == windows
+
+
+def test_window_rollout_records_every_window_step_and_trains_them_at_ratio_one(tiny):
+    cfg = MixGRPOConfig(**{**TINY_CFG, "sde_window_size": 2, "sde_window_shift_interval": 1, "reflect_refine": False})
+    roll = tm.reason_rollout(cfg, 1, [0, 1], tiny["rows"], rank_in_group=0, policy=tiny["policy"],
+                             processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
+                             stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+    steps, of = roll["steps"], roll["step_image"]
+    # 8 images x a window of 2 (the second window, steps 1 and 2, at training step 1), position-major
+    assert steps.index.tolist() == [1] * 8 + [2] * 8 and of.tolist() == list(range(8)) * 2
+    # a step's latents continue from the previous step of the same image
+    assert torch.equal(steps.latents[8:], steps.next_latents[:8])
+    gen, policy = tiny["gen"], tiny["policy"]
+    with torch.no_grad():
+        ref_mean = tm.image_logprobs(gen, tm.step_condition(roll), steps, reference=True)[1]
+        ref_logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
+    adv = torch.linspace(0.1, 1, 8)  # a non-zero mean, so that a wrong normaliser shows
+    loss, stats = tm.mixgrpo_loss(cfg, policy, gen, roll, adv, adv, ref_logps=ref_logps, ref_mean=ref_mean,
+                                  text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    assert stats["ratio_max_dev_image"] < 1e-5 and stats["kl_image"].abs() < 1e-10
+    # at ratio 1 the image surrogate is -mean(advantage) over all 16 step terms: each step carries its image's
+    image_part = (loss - stats["loss_text"] * cfg.ce_weight) / cfg.mse_weight
+    assert torch.allclose(image_part, -adv[of].mean(), atol=1e-6)
 
 
 def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_image_advantage(tiny, monkeypatch):
@@ -338,17 +381,43 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
 def test_heldout_evaluation_reports_the_shapes_scorers_view(tiny, tmp_path):
     """On shapes_t2i the held-out result carries strict and detected / requested objects beside the reward (a gain
     bought with extra objects shows), averaged over the rows; the grid PNG is written."""
-    cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i",
+    cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i", reflect_refine=False,
                   reward_kwargs={"key": "score", "behaviour": "tiny"})
     rows = tiny["rows"]
     grid = str(tmp_path / "grid.png")
-    result = tm.evaluate_reason(cfg, rows, policy=tiny["policy"], processor=tiny["processor"], gen=tiny["gen"],
-                                accelerator=tiny["accelerator"], stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
-                                reward_fn=tm.build_reward(cfg), grid_path=grid)
+    result = evaluate(tiny, cfg, grid)
     assert os.path.isfile(grid) and result["samples"] == len(rows)
     assert set(result) == {"reward", "format", "samples", "strict", "detected", "requested"}
     assert result["requested"] == sum(sum(int(i["count"]) for i in r["include"]) for r in rows) / len(rows)
     assert 0.0 <= result["strict"] <= result["reward"] + 1e-9 <= 1.0 + 1e-9
+
+
+def evaluate(tiny, cfg, grid):
+    return tm.evaluate_reason(cfg, tiny["rows"], policy=tiny["policy"], processor=tiny["processor"], gen=tiny["gen"],
+                              accelerator=tiny["accelerator"], stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
+                              reward_fn=tm.build_reward(cfg), grid_path=grid)
+
+
+def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(tiny, tmp_path, monkeypatch):
+    cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i", reflect_refine=True,
+                  reward_kwargs={"key": "score", "behaviour": "tiny"})
+    real = tm.greedy_texts
+
+    def scripted(reflection):  # the random tiny VLM never writes a reflection: script the refine stage's texts
+        def texts(cfg, messages, images, *a, **kw):
+            out = real(cfg, messages, images, *a, **kw)
+            return [reflection] * len(out) if any(images) else out
+        return texts
+
+    monkeypatch.setattr(tm, "greedy_texts", scripted("<think>fine</think> no further edit needed"))
+    kept = evaluate(tiny, cfg, str(tmp_path / "kept.png"))
+    assert kept["refine_no_edit"] == 1.0 and kept["refine_reward"] == kept["reward"]
+    assert kept["refine_strict"] == kept["strict"] and os.path.isfile(tmp_path / "kept_refine.png")
+    monkeypatch.setattr(tm, "greedy_texts", scripted("<think>x</think> add a red circle"))
+    edited = evaluate(tiny, cfg, str(tmp_path / "edited.png"))
+    assert edited["refine_no_edit"] == 0.0 and edited["reward"] == kept["reward"]  # the reason images are the same
+    with Image.open(tmp_path / "kept_refine.png") as a, Image.open(tmp_path / "edited_refine.png") as b:
+        assert a.size == b.size and a.tobytes() != b.tobytes()  # refined: new images
 
 
 def test_a_deepspeed_launch_is_refused_with_a_clear_error(monkeypatch):
