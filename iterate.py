@@ -110,8 +110,9 @@ def _recipe_path(path):
     return path if path is None or os.path.isabs(path) or os.path.exists(path) else os.path.join(REPO, path)
 
 
-def stage_recipe(recipe, overrides, forced, defaults=None):
-    """The stage's flags: `defaults` <- the recipe file <- the user's overrides <- `forced` (models, data, folders)."""
+def stage_recipe(recipe, overrides, forced, defaults=None, cycle=None):
+    """The stage's flags: `defaults` <- the recipe file <- `cycle` (what the cycle sets for every stage: its seed)
+    <- the user's overrides <- `forced` (models, data, folders)."""
     merged = dict(defaults or {})
     path = _recipe_path(recipe)
     if path:
@@ -119,6 +120,7 @@ def stage_recipe(recipe, overrides, forced, defaults=None):
             raise ConfigError(f"recipe file not found: {recipe}")
         with open(path) as f:
             merged.update(yaml.safe_load(f) or {})
+    merged.update(cycle or {})
     merged.update(overrides)
     merged.update(forced)
     return merged
@@ -404,7 +406,7 @@ def main(cfg: IterateConfig):
 
     def train(name, folder, script, config_cls, recipe, overrides, forced, defaults=None):
         values = stage_recipe(recipe, overrides, {**forced, "output_dir": folder, "resume_from_checkpoint": "latest"},
-                              defaults={"eval_dataset_name": None, **seed, **(defaults or {})})
+                              defaults={"eval_dataset_name": None, **(defaults or {})}, cycle=seed)
         path = os.path.join(folder, "recipe.yaml")
         if not runner.done(folder):
             write_recipe(values, path, config_cls)
@@ -414,7 +416,7 @@ def main(cfg: IterateConfig):
 
     def distill_stage(name, folder, forced):
         values = stage_recipe(cfg.distill_recipe, cfg.distill, {**template, "output_dir": folder, **forced},
-                              defaults=seed)
+                              cycle=seed)
         path = os.path.join(folder, "recipe.yaml")
         if not runner.done(folder):
             write_recipe(values, path, configs["distill"])

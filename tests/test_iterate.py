@@ -55,6 +55,9 @@ def test_stage_recipe_order_and_checks(tmp_path):
     recipe.write_text(yaml.safe_dump({"learning_rate": 1e-5, "max_steps": 10, "seed": 1}))
     merged = stage_recipe(str(recipe), {"max_steps": 20}, {"output_dir": "x"}, defaults={"seed": 7, "logging_steps": 3})
     assert merged == {"seed": 1, "logging_steps": 3, "learning_rate": 1e-5, "max_steps": 20, "output_dir": "x"}
+    # the cycle's seed beats the recipe file's (--seed repeats the whole cycle), the user's own override beats both
+    assert stage_recipe(str(recipe), {}, {}, cycle={"seed": 7})["seed"] == 7
+    assert stage_recipe(str(recipe), {"seed": 3}, {}, cycle={"seed": 7})["seed"] == 3
     import train_sft
 
     cfg = write_recipe(merged, str(tmp_path / "stage" / "recipe.yaml"), train_sft.SFTConfig)
