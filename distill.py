@@ -125,10 +125,10 @@ def validate(cfg):
             raise ConfigError("--captioner_base_url needs --captioner_model (the model name the server serves)")
         if not (cfg.caption_column or cfg.captioner_base_url or cfg.captioner):
             raise ConfigError("--chain_source reasoner needs captions: --captioner, --captioner_base_url or "
-                             "--caption_column")
+                              "--caption_column")
         if bool(cfg.reasoner_base_url) == cfg.reasoner_serve:
             raise ConfigError("--chain_source reasoner needs exactly one of --reasoner_base_url (a running server) "
-                             "or --reasoner_serve (start transformers serve for --reasoner_model)")
+                              "or --reasoner_serve (start transformers serve for --reasoner_model)")
         missing = [k for k in ("caption", "question") if "{" + k + "}" not in cfg.reasoner_prompt]
         if missing:
             raise ConfigError(f"--reasoner_prompt must contain {', '.join('{' + k + '}' for k in missing)}")
@@ -378,7 +378,7 @@ def main(cfg: DistillConfig):
                        require_steps=False)
     if cfg.caption_column and cfg.caption_column not in dataset.column_names:
         raise ConfigError(f"--caption_column {cfg.caption_column!r} is not a column of {cfg.dataset}; columns: "
-                         f"{dataset.column_names}")
+                          f"{dataset.column_names}")
     ids = dataset["id"]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"{cfg.dataset}: question ids are not unique (set --id_column)")

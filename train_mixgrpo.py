@@ -174,10 +174,10 @@ def validate(cfg, num_processes):
         raise ConfigError("--group_size must be >= 2 (a group of one has zero advantage)")
     if cfg.policy_group_size < 1 or cfg.group_size % cfg.policy_group_size:
         raise ConfigError(f"--group_size {cfg.group_size} is not a multiple of --policy_group_size "
-                         f"{cfg.policy_group_size}")
+                          f"{cfg.policy_group_size}")
     if num_processes % cfg.policy_group_size:
         raise ConfigError(f"{num_processes} processes do not split into policy groups of --policy_group_size "
-                         f"{cfg.policy_group_size}")
+                          f"{cfg.policy_group_size}")
     if cfg.prompts_per_policy_group < 1:
         raise ConfigError("--prompts_per_policy_group must be >= 1")
     if cfg.temperature <= 0:
@@ -197,7 +197,7 @@ def validate(cfg, num_processes):
         raise ConfigError("--sde_window_shift_interval and --sde_window_stride must be >= 1")
     if cfg.reflect_refine and not 1 <= cfg.max_sde_timestep_idx_for_edit <= cfg.num_timesteps_edit:
         raise ConfigError(f"--max_sde_timestep_idx_for_edit {cfg.max_sde_timestep_idx_for_edit} must lie in [1, "
-                         f"--num_timesteps_edit {cfg.num_timesteps_edit}]")
+                          f"--num_timesteps_edit {cfg.num_timesteps_edit}]")
     if not 0 <= cfg.perfect_buffer_prob <= 1:
         raise ConfigError(f"--perfect_buffer_prob {cfg.perfect_buffer_prob} must lie in [0, 1]")
     if cfg.generator_lora_r < 1:
@@ -213,7 +213,7 @@ def validate(cfg, num_processes):
     for flag in ("train_data_path", "val_data_path"):
         if getattr(cfg, flag) == TINY and cfg.dataset_name != "shapes_t2i":
             raise ConfigError(f"--{flag} tiny is the shapes_t2i prompt set; give a file for --dataset_name "
-                             f"{cfg.dataset_name}")
+                              f"{cfg.dataset_name}")
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id")
 
@@ -341,12 +341,20 @@ def sde_window(cfg, step):
     starts again at 0. A function of the step alone, so a resumed run uses the same windows."""
     size, stride = cfg.sde_window_size, cfg.sde_window_stride or cfg.sde_window_size
     reason_steps = step // 2 if cfg.reflect_refine else step  # reason steps before this one
-    start = (reason_steps // cfg.sde_window_shift_interval) * stride
+    moves = reason_steps // cfg.sde_window_shift_interval
     last = cfg.num_timesteps_gen - 1 - size  # the last start whose window holds W steps
-    if start > last:
-        start = start % ((last // stride + 1) * stride) if cfg.sde_window_roll_back else last
-        start = min(start, last)
+    if cfg.sde_window_roll_back:
+        start = (moves % (last // stride + 1)) * stride  # the full windows at 0, stride, ... <= last, in turn
+    else:
+        start = min(moves * stride, last)
     return list(range(start, start + size))
+
+
+def image_condition(cfg, gen, rows, texts, images=None):
+    """What the generator draws from: each row's prompt + the VLM's text (its reasoning, or its edit instruction
+    with the image to refine)."""
+    return gen.encode_condition([f"{r['prompt']}\n{text}" for r, text in zip(rows, texts)], images=images,
+                                height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt)
 
 
 def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
@@ -406,9 +414,7 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
                         accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
                         sample_ids=[repr(r["prompt"]) for r in local_rows])
     parsed = [reasoning_of(t) for t in roll["texts"]]
-    image_prompts = [f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(local_rows, parsed)]
-    cond = gen.encode_condition(image_prompts, height=cfg.image_size, width=cfg.image_size,
-                                negative_prompt=cfg.negative_prompt)
+    cond = image_condition(cfg, gen, local_rows, [reasoning for _, reasoning in parsed])
     images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
         sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
@@ -457,9 +463,7 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
                         accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
                         sample_ids=[f"buffer entry {e['id']}" for e in local])
     parsed = [reflection_of(t) for t in roll["texts"]]
-    cond = gen.encode_condition([f"{r['prompt']}\n{instruction}" for r, (_, instruction, _) in zip(rows, parsed)],
-                                images=[e["image"] for e in local], height=cfg.image_size, width=cfg.image_size,
-                                negative_prompt=cfg.negative_prompt)
+    cond = image_condition(cfg, gen, rows, [instruction for _, instruction, _ in parsed], [e["image"] for e in local])
     images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
         num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
@@ -547,8 +551,8 @@ def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_
         logp, mean, std = image_logprobs(gen, step_condition(roll), steps)
         ones = roll["image_mask"][of].to(logp)[:, None]  # refine samples without an edit are not trained
         n = torch.tensor(float(n_images * (len(of) // len(roll["images"]))), device=logp.device)
-        surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv_image[of.to(adv_image.device)],
-                                            ones,
+        adv = adv_image[of.to(adv_image.device)]  # each recorded step carries its image's advantage
+        surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv, ones,
                                             epsilon_low=cfg.clip_range_image, loss_type="dapo",
                                             num_items_in_batch=n, num_processes=world)
         kl = (image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)) * ones[:, 0]
@@ -772,7 +776,6 @@ def _trackers(report_to):
     return tracker_list(report_to)
 
 
-@torch.no_grad()
 def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processor, accelerator, stop_ids,
                  suppress_ids):
     """Greedy completions of a held-out batch (chat messages, one image list per row)."""
@@ -802,9 +805,7 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
     texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
                          accelerator=accelerator, **generate)
     parsed = [reflection_of(t) for t in texts]
-    cond = gen.encode_condition([f"{r['prompt']}\n{instruction}" for r, (_, instruction, _) in zip(batch_rows, parsed)],
-                                images=images, height=cfg.image_size, width=cfg.image_size,
-                                negative_prompt=cfg.negative_prompt)
+    cond = image_condition(cfg, gen, batch_rows, [instruction for _, instruction, _ in parsed], images)
     noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size,
                                            torch.Generator(device=accelerator.device).manual_seed(cfg.seed + 7919 + i))
                        for i in idx])
@@ -815,6 +816,7 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
     return texts, [im if keep else new for im, new, keep in zip(images, out.images, no_edit)], no_edit
 
 
+@torch.no_grad()
 def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
                     grid_path):
     """Held-out reason stage: greedy reasoning, ODE image with --eval_num_timesteps from noise seeded by the row,
@@ -824,17 +826,17 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(rows), world))
     results = []
+    generate = dict(policy=policy, processor=processor, stop_ids=stop_ids, suppress_ids=suppress_ids)
+    shapes = cfg.dataset_name == "shapes_t2i"
     was_training = policy.training
     policy.eval()
     for start in range(0, len(mine), 16):
         idx = mine[start:start + 16]
         batch_rows = [rows[i] for i in idx]
-        generate = dict(policy=policy, processor=processor, stop_ids=stop_ids, suppress_ids=suppress_ids)
         texts = greedy_texts(cfg, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in batch_rows],
                              [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator, **generate)
         parsed = [reasoning_of(t) for t in texts]
-        cond = gen.encode_condition([f"{r['prompt']}\n{reasoning}" for r, (_, reasoning) in zip(batch_rows, parsed)],
-                                    height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt)
+        cond = image_condition(cfg, gen, batch_rows, [reasoning for _, reasoning in parsed])
         noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size,
                                                torch.Generator(device=accelerator.device).manual_seed(cfg.seed + i))
                            for i in idx])
@@ -842,8 +844,7 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                                                                                      interval=tuple(cfg.cfg_interval)),
                      shift=cfg.timestep_shift, latents=noise, output_type="pil")
         scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
-        details = [shapes_details(im, r) if cfg.dataset_name == "shapes_t2i" else {} for im, r in zip(out.images,
-                                                                                                       batch_rows)]
+        details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
         refined = [None] * len(idx)
         if cfg.reflect_refine:
             reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, gen, accelerator,
@@ -851,8 +852,8 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
             new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
             refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
                        for s, k, im in zip(new_scores, no_edit, images)]
-            for d, r, im in zip(details, batch_rows, images):
-                if cfg.dataset_name == "shapes_t2i":
+            if shapes:
+                for d, r, im in zip(details, batch_rows, images):
                     d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
         results += [(i, s, f, im, d, ref) for i, s, (f, _), im, d, ref in zip(idx, scores, parsed, out.images,
                                                                               details, refined)]
