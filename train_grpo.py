@@ -59,6 +59,7 @@ from utils.vllm_rollout import (
     mismatch_stats,
     require_vllm,
 )
+from utils.zero3 import clear_stale_zero3_gradients
 
 SCALES = ("group", "batch", "none")
 
@@ -496,6 +497,7 @@ def main(cfg: GRPOConfig):
         policy.train()
         for _ in range(mu):
             step_loss, step_stats, grad_norm, vllm_stats = 0.0, [], None, []
+            clear_stale_zero3_gradients(accelerator, policy)  # one optimizer step per pass (utils/zero3.py)
             for mb in batches:
                 t0 = time.perf_counter()
                 with accelerator.accumulate(policy):

@@ -1,18 +1,22 @@
 """R3 Mix-GRPO: GRPO on a VLM's text reasoning and on a flow-matching generator's SDE steps, in one script.
 
     accelerate launch train_mixgrpo.py                                   # tiny CPU recipe
-    accelerate launch train_mixgrpo.py --config recipes/r3_geneval.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml train_mixgrpo.py --config recipes/r3_geneval.yaml
 
-Reason stage: prompt -> `<think>..</think>` (the VLM) -> image (Qwen-Image, conditioned on the prompt and the
-reasoning). Each prompt gets `group_size` rollouts spread over `policy_group_size` processes; the group shares
-the initial noise and one SDE step index, the rest of the trajectory is ODE. The text part (token clipped
-surrogate + k3 KL) and the image part (clipped surrogate on the SDE step's log-prob + the image KL) get their
-own advantages and weights. docs/mixgrpo.md has the formulas and what is built so far (the reason stage).
+Reason stage (even steps): prompt -> `<think>..</think>` (the VLM) -> image (Qwen-Image, conditioned on the prompt
+and the reasoning). Reflect + refine (odd steps): a buffered image -> reflection + edit instruction -> the image
+refined (by Qwen-Image-Edit with --edit_generator_name_or_path). Each prompt gets `group_size` rollouts spread over
+`policy_group_size` processes; the group shares the initial noise and the SDE step index, the rest of the
+trajectory is ODE. The text part (token clipped surrogate + k3 KL) and the image part (clipped surrogate on the SDE
+steps' log-probs + the image KL) get their own advantages and weights. The VLM and the generators are one module
+(`MixGRPOModel`), so DDP or one DeepSpeed engine wraps them. docs/mixgrpo.md has the formulas and the tests.
 """
 
+import contextlib
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,13 +32,14 @@ from tiny.cache import _cached
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.errors import InputError, exit_on_bad_input
-from utils.flow_generators import Guidance, SDEStep, load_flow_generator, sample, step_logprob
+from utils.flow_generators import Guidance, SDEStep, has_adapters, load_flow_generator, sample, step_logprob
 from utils.flow_sde import image_kl
 from utils.hub import HubUploader
-from utils.launch import relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
 from utils.models import load_model_and_processor, prepare_for_training
+from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.rollout import (
     completion_seeds,
     encode_prompts,
@@ -46,6 +51,7 @@ from utils.rollout import (
 from utils.samplers import SeededSampler
 from utils.t2i_data import load_geneval, load_tiif
 from utils.tracking import RunLogger, peak_memory_mb, write_summary
+from utils.zero3 import clear_stale_zero3_gradients
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TINY = "tiny"
@@ -67,6 +73,9 @@ class MixGRPOConfig:
         "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, the VLM the tiny generator reads"})
     generator_name_or_path: str = field(default=TINY, metadata={
         "help": "Qwen-Image pipeline folder or hub name; 'tiny': the pre-trained tiny Qwen-Image (tiny/generator.py)"})
+    edit_generator_name_or_path: Optional[str] = field(default=None, metadata={
+        "help": "the refine stage's generator (Qwen-Image-Edit folder or hub name), with its own LoRA; none: the "
+                "reason stage's generator refines too"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
     conditioning: str = choice("base", "policy", help="the image model reads the VLM's base weights (no grad) or "
                                                       "the policy as it trains")
@@ -78,7 +87,7 @@ class MixGRPOConfig:
     lora_alpha: int = 32  # VLM LoRA alpha
     lora_dropout: float = 0.05  # VLM LoRA dropout
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # VLM modules LoRA wraps
-    generator_lora_r: int = 16  # LoRA rank on the generator's attention (its reference: adapters off)
+    generator_lora_r: int = 16  # generator LoRA rank (reference: adapters off); 0: full fine-tuning (a frozen copy)
     generator_lora_alpha: Optional[int] = None  # generator LoRA alpha; none: the rank
     max_pixels: Optional[int] = None  # max pixels per image for the VLM's image processor
     min_pixels: Optional[int] = None  # min pixels per image for the VLM's image processor
@@ -127,6 +136,7 @@ class MixGRPOConfig:
     sde_window_roll_back: bool = False  # past the last step, start again at step 0; false: stay at the end
     noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
     cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
+    cfg_img_scale_edit: float = 1.5  # image CFG of the refine stage (BAGEL's cfg_img_scale; 1: off)
     perfect_buffer_prob: float = 0.15  # a reflect step draws from the perfect (score 1) pool with this probability
     # loss
     ce_weight: float = 1.0  # weight of the text part
@@ -200,10 +210,8 @@ def validate(cfg, num_processes):
                           f"--num_timesteps_edit {cfg.num_timesteps_edit}]")
     if not 0 <= cfg.perfect_buffer_prob <= 1:
         raise ConfigError(f"--perfect_buffer_prob {cfg.perfect_buffer_prob} must lie in [0, 1]")
-    if cfg.generator_lora_r < 1:
-        raise ConfigError("--generator_lora_r must be >= 1 (full fine-tuning of the generator is not supported yet)")
-    if cfg.conditioning == "policy" and num_processes > 1:
-        raise ConfigError("--conditioning policy is not supported yet with more than one process")
+    if cfg.generator_lora_r < 0:
+        raise ConfigError(f"--generator_lora_r {cfg.generator_lora_r} must be >= 0 (0: full fine-tuning)")
     if cfg.reward_fn not in REWARDS and ":" not in cfg.reward_fn:
         raise ConfigError(f"--reward_fn {cfg.reward_fn!r}: expected one of {REWARDS} or module:function")
     if cfg.dataset_name == "tiif" and cfg.reward_fn in REWARDS and cfg.reward_fn != "judge_tiif":
@@ -214,6 +222,10 @@ def validate(cfg, num_processes):
         if getattr(cfg, flag) == TINY and cfg.dataset_name != "shapes_t2i":
             raise ConfigError(f"--{flag} tiny is the shapes_t2i prompt set; give a file for --dataset_name "
                               f"{cfg.dataset_name}")
+    if cfg.edit_generator_name_or_path and not cfg.reflect_refine:
+        raise ConfigError("--edit_generator_name_or_path is set but --reflect_refine is off (nothing refines)")
+    if cfg.cfg_img_scale_edit < 1:
+        raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit} must be >= 1 (1: no image CFG)")
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id")
 
@@ -319,15 +331,14 @@ def torch_generators(seeds, device):
 def text_rollout(cfg, step, global_ids, messages, images, max_new_tokens, *, policy, processor, accelerator,
                  stop_ids, suppress_ids, sample_ids):
     """Sample one completion per message (counter-based seeds per rollout) and its behaviour log-probs at the
-    sampling temperature (R3 took them from the untempered softmax)."""
+    sampling temperature (R3 took them from the untempered softmax). `policy`: the plain log-prob wrapper."""
     tokenizer = processor.tokenizer
     batch = encode_prompts(processor, messages, images, sample_ids=sample_ids,
                            max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
-    with unwrap_for_generation(policy, accelerator) as unwrapped:
-        ids, mask = generate_completions(unwrapped.model, batch, row_seeds=seeds_for(cfg.seed, 0, step, global_ids),
-                                         max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                                         eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                                         suppress_token_ids=suppress_ids)
+    ids, mask = generate_completions(policy.model, batch, row_seeds=seeds_for(cfg.seed, 0, step, global_ids),
+                                     max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                                     suppress_token_ids=suppress_ids)
     texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     with torch.no_grad():
         old_logps = policy(batch, ids, mask, cfg.temperature)
@@ -352,9 +363,16 @@ def sde_window(cfg, step):
 
 def image_condition(cfg, gen, rows, texts, images=None):
     """What the generator draws from: each row's prompt + the VLM's text (its reasoning, or its edit instruction
-    with the image to refine)."""
+    with the image to refine; then also the branch without the image that --cfg_img_scale_edit guides against)."""
+    extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}
     return gen.encode_condition([f"{r['prompt']}\n{text}" for r, text in zip(rows, texts)], images=images,
-                                height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt)
+                                height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt,
+                                **extra)
+
+
+def edit_guidance(cfg):
+    """The refine stage's guidance: text CFG and image CFG within --cfg_interval."""
+    return Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval), image_scale=cfg.cfg_img_scale_edit)
 
 
 def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
@@ -423,10 +441,9 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
     scores = score_images(cfg, reward_fn, roll["texts"], images, local_rows)
     formats = torch.tensor([f for f, _ in parsed])
     text_r, image_r = reason_rewards(scores, formats, cfg.format_weight)
-    return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
-                sde_index=sde_index, step_image=step_image, rows=local_rows, text_rewards=text_r,
-                image_rewards=image_r,
-                image_mask=torch.ones(len(images)))
+    return dict(roll, stage="reason", images=images, cond=cond.detach(), steps=steps, scores=scores,
+                formats=formats, sde_index=sde_index, step_image=step_image, rows=local_rows, text_rewards=text_r,
+                image_rewards=image_r, image_mask=torch.ones(len(images)))
 
 
 def build_buffer(accelerator, roll):
@@ -468,7 +485,7 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
         num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
         enable_sde=cfg.enable_sde_edit, noise_level=cfg.noise_level_edit,
-        guidance=Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval)))
+        guidance=edit_guidance(cfg))
     no_edit = torch.tensor([keep for _, _, keep in parsed])
     images = [e["image"] if keep else im for e, im, keep in zip(local, images, no_edit.tolist())]
     prev = torch.tensor([e["score"] for e in local])
@@ -479,9 +496,9 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
                                       [rows[i] for i in edited])
     formats = torch.tensor([f for f, _, _ in parsed])
     text_r, image_r = reflect_rewards(scores, prev, formats, no_edit, cfg.format_weight)
-    return dict(roll, images=images, cond=cond.detach(), steps=steps, scores=scores, formats=formats,
-                sde_index=sde_index, step_image=step_image, rows=rows, text_rewards=text_r, image_rewards=image_r,
-                image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
+    return dict(roll, stage="reflect", images=images, cond=cond.detach(), steps=steps, scores=scores,
+                formats=formats, sde_index=sde_index, step_image=step_image, rows=rows, text_rewards=text_r,
+                image_rewards=image_r, image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
 
 
 def gather_by_index(accelerator, values, global_ids, total):
@@ -508,37 +525,102 @@ def image_logprobs(gen, cond, steps, *, reference=False):
 
 
 def build_policy(cfg, vlm_path, gen_path, device):
-    """(VLM, processor, CompletionLogProbs(VLM), generator with LoRA, generator LoRA parameters)."""
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    """(VLM, processor, CompletionLogProbs(VLM), generator made trainable, its trainable parameters)."""
     model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
     model = prepare_for_training(model, cfg)
-    gen = load_flow_generator(gen_path, dtype=dtype, device=device, conditioning=cfg.conditioning,
-                              components={"text_encoder": hf_core(model), "tokenizer": processor.tokenizer,
-                                          "processor": processor})
-    joint = gen.transformer.config.joint_attention_dim
-    hidden = hf_core(model).config.get_text_config().hidden_size
-    if joint != hidden:
-        raise InputError(f"--generator_name_or_path reads {joint}-dim text states but --model_name_or_path has "
-                         f"hidden size {hidden}")
-    gen_params = gen.add_lora(cfg.generator_lora_r, alpha=cfg.generator_lora_alpha)
-    if cfg.gradient_checkpointing:
-        gen.enable_gradient_checkpointing()
-    gen.cfg_batched = True  # one transformer forward per backward (DDP) for both CFG branches
-    gen.edit_area = cfg.image_size ** 2  # refine at the generated size (the edit pipeline's own: 1024 x 1024)
+    gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device,
+                                     hidden=hf_core(model).config.get_text_config().hidden_size,
+                                     components={"text_encoder": hf_core(model), "tokenizer": processor.tokenizer,
+                                                 "processor": processor})
     return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
 
 
-def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
+def load_generator(cfg, path, flag, device, *, hidden, **options):
+    """A generator from `path` (--`flag`) that reads `hidden`-dim text states, made trainable (`train_generator`),
+    with the settings both stages share. Returns (generator, its trainable parameters)."""
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    gen = load_flow_generator(path, dtype=dtype, device=device, conditioning=cfg.conditioning, **options)
+    joint = gen.transformer.config.joint_attention_dim
+    if joint != hidden:
+        raise InputError(f"--{flag} reads {joint}-dim text states but the VLM's hidden size is {hidden}")
+    params = train_generator(cfg, gen)
+    if cfg.gradient_checkpointing:
+        gen.enable_gradient_checkpointing()
+    gen.cfg_batched = True  # one transformer forward for both CFG branches
+    gen.edit_area = cfg.image_size ** 2  # refine at the generated size (the edit pipeline's own: 1024 x 1024)
+    return gen, params
+
+
+class MixGRPOModel(torch.nn.Module):
+    """The two trained parts as one module: the VLM's log-prob wrapper (`text`) and the generator's transformer
+    (`image`). One DDP wrapper or one DeepSpeed engine (which takes one model) holds both, and one forward
+    computes both parts of the loss (DDP allows one forward per backward).
+
+    forward(text=(batch, ids, mask, temperature), image=(cond, steps), reference=False, edit=False) ->
+    {"text": log-probs, "image": (log-prob, mean, std)}; reference: the text with the VLM's LoRA off, the image
+    with the generator's LoRA off (no grad); edit: the image steps are the refine stage's (its own generator, when
+    --edit_generator_name_or_path gives one: `edit_image`)."""
+
+    def __init__(self, policy, gen, edit_gen=None):
+        super().__init__()
+        self.text, self.image = policy, gen.transformer
+        if edit_gen is not None and edit_gen is not gen:
+            self.edit_image = edit_gen.transformer
+        # a list: the generators' VAEs and frozen text encoders are not trained parts
+        self._gens = [gen, edit_gen if edit_gen is not None else gen]
+
+    def train(self, mode=True):
+        super().train(mode)
+        for gen in self._gens:  # the generators recompute their SDE steps as they sampled them
+            gen.transformer.eval()
+        return self
+
+    def forward(self, text=None, image=None, reference=False, edit=False):
+        out = {}
+        if text is not None:
+            if reference:
+                with torch.no_grad(), self.text.model.disable_adapter():
+                    out["text"] = self.text(*text)
+            else:
+                out["text"] = self.text(*text)
+        if image is not None:
+            out["image"] = image_logprobs(self._gens[int(edit)], *image, reference=reference)
+        return out
+
+
+def train_generator(cfg, gen):
+    """The generator's trainable parameters: LoRA on its attention, or with --generator_lora_r 0 every weight (the
+    image KL's reference is then a frozen copy, made only when that KL is on)."""
+    if cfg.generator_lora_r:
+        return gen.add_lora(cfg.generator_lora_r, alpha=cfg.generator_lora_alpha)
+    return gen.full_finetune(reference=bool(cfg.kl_weight_image and cfg.tune_image_cot))
+
+
+def build_edit_generator(cfg, edit_path, gen, device):
+    """The refine stage's own generator (a Qwen-Image-Edit folder) with its own LoRA, reading the same text encoder as
+    the reason stage's `gen` (the VLM's base weights or the policy, as --conditioning says). Returns (generator, its
+    LoRA parameters)."""
+    return load_generator(cfg, edit_path, "edit_generator_name_or_path", device,
+                          hidden=gen.transformer.config.joint_attention_dim,
+                          copy_text_encoder=False,  # gen's text encoder is already the right one
+                          components={"text_encoder": gen.text_encoder, "tokenizer": gen.t2i.tokenizer,
+                                      "processor": gen.edit.processor})
+
+
+def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
     """ce_weight * (token clipped surrogate / the step's text tokens + kl_weight_text * k3)
     + mse_weight * (clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL).
     With a window of W SDE steps per image each step is one term with its image's advantage, and the image part is
     their mean (n_images x W terms). Normalisers span all processes (DDP averages the gradients, hence the world
-    factor). Returns (loss, stats)."""
+    factor). `model`: the (prepared) MixGRPOModel, called once for both parts. Returns (loss, stats)."""
     loss, stats = torch.zeros((), device=roll["ids"].device), {}
+    train_image = cfg.tune_image_cot and roll["steps"] is not None
+    out = model(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if cfg.tune_text_cot else None,
+                image=(step_condition(roll), roll["steps"]) if train_image else None, edit=roll["stage"] == "reflect")
     if cfg.tune_text_cot:
-        logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
+        logps = out["text"]
         text_loss, st = clipped_policy_loss(logps, roll["old_logps"], adv_text, roll["mask"],
                                             epsilon_low=cfg.clip_range_text, beta=cfg.kl_weight_text,
                                             ref_logps=ref_logps, loss_type="dapo", num_items_in_batch=text_tokens,
@@ -546,9 +628,9 @@ def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_
         loss = loss + cfg.ce_weight * text_loss
         stats.update(loss_text=text_loss.detach(), kl_text=st["kl"], clip_ratio_text=st["clip_ratio"],
                      ratio_max_dev_text=st["ratio_max_dev"])
-    if cfg.tune_image_cot and roll["steps"] is not None:
+    if train_image:
         steps, of = roll["steps"], roll["step_image"]
-        logp, mean, std = image_logprobs(gen, step_condition(roll), steps)
+        logp, mean, std = out["image"]
         ones = roll["image_mask"][of].to(logp)[:, None]  # refine samples without an edit are not trained
         n = torch.tensor(float(n_images * (len(of) // len(roll["images"]))), device=logp.device)
         adv = adv_image[of.to(adv_image.device)]  # each recorded step carries its image's advantage
@@ -564,14 +646,12 @@ def mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, *, ref_logps, ref_
 
 
 def main(cfg: MixGRPOConfig):
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":  # before any process group forms
-        raise ConfigError("train_mixgrpo.py does not run under a DeepSpeed accelerate config yet: it prepares two "
-                          "models (the VLM and the generator), one engine each; launch it with DDP "
-                          "(accelerate_configs/ddp.yaml, or --cpu)")
     # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no",
-                              log_with=_trackers(cfg.report_to), project_dir=cfg.output_dir,
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    # Without a GPU: cpu=True, except under a DeepSpeed config (DS_ACCELERATOR=cpu; utils.launch says why).
+    device_kwargs = accelerator_device_kwargs()
+    handlers = device_kwargs.pop("kwargs_handlers", []) + [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    accelerator = Accelerator(**device_kwargs, mixed_precision="no", log_with=_trackers(cfg.report_to),
+                              project_dir=cfg.output_dir, kwargs_handlers=handlers)
     validate(cfg, accelerator.num_processes)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
@@ -590,32 +670,41 @@ def main(cfg: MixGRPOConfig):
     reward_fn = build_reward(cfg)
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
-    model, processor, policy, gen, gen_params = build_policy(cfg, vlm_path, gen_path, accelerator.device)
+    plugin = accelerator.state.deepspeed_plugin
+    # Both parts load whole on each process and ZeRO-3 shards them at prepare: diffusers builds no model sharded,
+    # and the generator's frozen copy of the VLM (its conditioning) is copied from the loaded weights.
+    with whole_weights(plugin):
+        model, processor, policy, gen, gen_params = build_policy(cfg, vlm_path, gen_path, accelerator.device)
+    edit_gen, edit_params = gen, []  # the refine stage's generator: its own (Qwen-Image-Edit), or the same one
+    if cfg.edit_generator_name_or_path:
+        edit_gen, edit_params = build_edit_generator(cfg, cfg.edit_generator_name_or_path, gen, accelerator.device)
     tokenizer = processor.tokenizer
     stop_ids = stop_token_ids(model, tokenizer)
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
     if not cfg.tune_text_cot:
         policy.requires_grad_(False)
     if not cfg.tune_image_cot:
-        for p in gen_params:
+        for p in gen_params + edit_params:
             p.requires_grad_(False)
     groups = []
     if cfg.tune_text_cot:
         groups.append({"params": [p for p in policy.parameters() if p.requires_grad]})
     if cfg.tune_image_cot:
-        groups.append({"params": gen_params, "lr": cfg.generator_learning_rate or cfg.learning_rate})
+        groups.append({"params": gen_params + edit_params, "lr": cfg.generator_learning_rate or cfg.learning_rate})
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    # bf16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
+    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=cfg.max_steps)
-    if cfg.tune_text_cot:
-        policy = accelerator.prepare(policy)
-    if cfg.tune_image_cot:
-        gen.denoiser = accelerator.prepare(gen.transformer)
-    optimizer = accelerator.prepare(optimizer)
+    if plugin is not None:  # no DataLoader is prepared: DeepSpeed learns the micro-batch and clipping from us
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = K * (G // P)
+        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
+    mix, optimizer = accelerator.prepare(MixGRPOModel(policy, gen, edit_gen), optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    # The text's reference: the VLM with its LoRA off (MixGRPOModel's reference), or a frozen copy of it.
     ref_policy = (prepare_reference_model(cfg, vlm_path, policy, accelerator)
-                  if cfg.kl_weight_text and cfg.tune_text_cot else None)
+                  if cfg.kl_weight_text and cfg.tune_text_cot and not cfg.use_peft else None)
 
     # ---- resume ----
     global_step, state, buffer = 0, {}, None
@@ -637,9 +726,10 @@ def main(cfg: MixGRPOConfig):
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
 
     def evaluate(tag):
-        result = evaluate_reason(cfg, val_rows, policy=policy, processor=processor, gen=gen, accelerator=accelerator,
-                                 stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn,
-                                 grid_path=os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
+        with unwrap_for_generation(mix, accelerator) as plain:  # ZeRO-3: every shard gathered once
+            result = evaluate_reason(cfg, val_rows, policy=plain.text, processor=processor, gen=gen, edit_gen=edit_gen,
+                                     accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
+                                     reward_fn=reward_fn, grid_path=os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
         logger.log(global_step, {f"heldout/{k}": v for k, v in result.items()})
         logger.log_image(global_step, f"heldout/{tag}", os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
         return result
@@ -655,16 +745,17 @@ def main(cfg: MixGRPOConfig):
         # ---- 1. rollout: even steps reason, odd steps reflect on a buffered image and refine it ----
         stage = "reflect" if cfg.reflect_refine and global_step % 2 == 1 else "reason"
         mine = list(range(group * K, (group + 1) * K))  # global prompt slots of this policy group
-        common = dict(rank_in_group=member, policy=policy, processor=processor, gen=gen, accelerator=accelerator,
-                      stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn)
-        policy.eval()
-        if stage == "reason":
-            prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
-            roll = reason_rollout(cfg, global_step, mine, [train_rows[prompt_idx[q]] for q in mine], **common)
-            if cfg.reflect_refine:
-                buffer = build_buffer(accelerator, roll)
-        else:
-            roll = reflect_rollout(cfg, global_step, mine, buffer, **common)
+        mix.eval()
+        with unwrap_for_generation(mix, accelerator) as plain:  # ZeRO-3: every shard gathered once for the rollout
+            common = dict(rank_in_group=member, policy=plain.text, processor=processor, gen=gen,
+                          accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn)
+            if stage == "reason":
+                prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+                roll = reason_rollout(cfg, global_step, mine, [train_rows[prompt_idx[q]] for q in mine], **common)
+                if cfg.reflect_refine:
+                    buffer = build_buffer(accelerator, roll)
+            else:
+                roll = reflect_rollout(cfg, global_step, mine, buffer, **dict(common, gen=edit_gen))
 
         # ---- 2. rewards and advantages over whole policy groups (gathered across processes) ----
         all_text = gather_by_index(accelerator, roll["text_rewards"], roll["global_ids"], total)
@@ -673,16 +764,23 @@ def main(cfg: MixGRPOConfig):
         adv_text = group_advantages(all_text, G, cfg.scale_advantages)[local].to(accelerator.device)
         adv_image = (group_advantages(all_image, G, cfg.scale_advantages)[local] * roll["image_mask"]).to(
             accelerator.device)  # no edit: advantage 0
-        with torch.no_grad():
-            ref_logps = ref_policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if ref_policy else None
-            ref_mean = (image_logprobs(gen, step_condition(roll), roll["steps"], reference=True)[1]
-                        if cfg.tune_image_cot and cfg.kl_weight_image and roll["steps"] is not None else None)
+        with torch.no_grad():  # the references: a frozen copy, or the same weights with LoRA off
+            text_ref = cfg.tune_text_cot and cfg.kl_weight_text
+            image_ref = cfg.tune_image_cot and cfg.kl_weight_image and roll["steps"] is not None
+            ref = mix(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
+                      if text_ref and ref_policy is None else None,
+                      image=(step_condition(roll), roll["steps"]) if image_ref else None, reference=True,
+                      edit=stage == "reflect")
+            ref_logps = (ref_policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if ref_policy
+                         else ref.get("text"))
+            ref_mean = ref["image"][1] if image_ref else None
         text_tokens = accelerator.reduce(roll["mask"].sum().float(), "sum")
 
         # ---- 3. one optimizer step on both parts ----
-        policy.train()
-        loss, stats = mixgrpo_loss(cfg, policy, gen, roll, adv_text, adv_image, ref_logps=ref_logps,
+        mix.train()
+        loss, stats = mixgrpo_loss(cfg, mix, roll, adv_text, adv_image, ref_logps=ref_logps,
                                    ref_mean=ref_mean, text_tokens=text_tokens, n_images=total, world=world)
+        clear_stale_zero3_gradients(accelerator, mix)  # the vision tower idles on reason steps (utils/zero3.py)
         accelerator.backward(loss)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else None
@@ -726,16 +824,21 @@ def main(cfg: MixGRPOConfig):
 
         # ---- 5. checkpoint (atomic: both parts, optimizer, scheduler, sampler, RNG) ----
         if global_step % cfg.save_steps == 0 or global_step == cfg.max_steps:
-            unwrapped_gen = accelerator.unwrap_model(gen.denoiser)
+            kind = "lora" if cfg.generator_lora_r else "transformer"  # generator_lora/ or generator_transformer/
+            trained = [("generator", gen, gen_params)] + ([("edit_generator", edit_gen, edit_params)]
+                                                          if edit_params else [])
+            loras = {f"{name}_{kind}": save_generator(accelerator, g, params, cfg.output_dir, f"{name}_{kind}")
+                     for name, g, params in trained}
             path = save_checkpoint(
-                accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
+                accelerator, cfg.output_dir, global_step, model=mix, processor=processor,
                 extra_state=dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before),
                 save_total_limit=cfg.save_total_limit,
-                extra_saves={"generator_lora": unwrapped_gen.save_lora_adapter,
+                extra_saves={**{name: (lambda d, src=src: os.replace(src, d)) for name, src in loras.items()},
                              **({"reflect_buffer": lambda d: save_buffer(buffer, d)} if buffer is not None else {})})
             if uploader:
-                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics,
-                              base_model=f"{vlm_path} + {gen_path}", script="train_mixgrpo.py")
+                parts = " + ".join(p for p in (vlm_path, gen_path, cfg.edit_generator_name_or_path) if p)
+                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=parts,
+                              script="train_mixgrpo.py")
 
     summary = dict(global_step=global_step, train_runtime=time.perf_counter() - train_start,
                    peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
@@ -763,6 +866,43 @@ def main(cfg: MixGRPOConfig):
     return dict(policy=policy, gen=gen)
 
 
+@contextlib.contextmanager
+def whole_weights(plugin):
+    """Models built inside are whole: under a ZeRO-3 config transformers builds them sharded (deepspeed.zero.Init)
+    while accelerate's HF DeepSpeed config is registered (its zero3_init_context_manager does not unregister it)."""
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def save_generator(accelerator, gen, params, output_dir, name):
+    """Write a generator's trained part, its LoRA (diffusers' adapter format) or its whole transformer (a diffusers
+    model folder), to a staging folder of `output_dir` that the checkpoint then moves in; under ZeRO-3 its shards
+    are gathered first, so every process calls this."""
+    staging = os.path.join(output_dir, f"tmp-{name}")
+    gather = contextlib.nullcontext()
+    if accelerator.state.deepspeed_plugin is not None and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(params))
+    with gather:
+        if accelerator.is_main_process:
+            if os.path.isdir(staging):  # left by a crashed save
+                shutil.rmtree(staging)
+            if has_adapters(gen.transformer):
+                gen.transformer.save_lora_adapter(staging)
+            else:
+                gen.transformer.save_pretrained(staging)
+    return staging
+
+
 def save_buffer(buffer, folder):
     """The reflect buffer (metadata, score, PIL image per entry), so that a run resumed before a reflect step
     reflects on the same images."""
@@ -782,10 +922,9 @@ def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processo
     tokenizer = processor.tokenizer
     batch = encode_prompts(processor, messages, images, sample_ids=[f"held-out row {i}" for i in idx],
                            max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
-    with unwrap_for_generation(policy, accelerator) as unwrapped:
-        ids, mask = generate_completions(unwrapped.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
-                                         max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-                                         pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
+    ids, mask = generate_completions(policy.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
+                                     max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                                     pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
     return tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
 
 
@@ -810,7 +949,7 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
                                            torch.Generator(device=accelerator.device).manual_seed(cfg.seed + 7919 + i))
                        for i in idx])
     out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
-                 guidance=Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval)), shift=cfg.timestep_shift,
+                 guidance=edit_guidance(cfg), shift=cfg.timestep_shift,
                  latents=noise, output_type="pil")
     no_edit = [keep for _, _, keep in parsed]
     return texts, [im if keep else new for im, new, keep in zip(images, out.images, no_edit)], no_edit
@@ -818,7 +957,7 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
 
 @torch.no_grad()
 def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
-                    grid_path):
+                    grid_path, edit_gen=None):
     """Held-out reason stage: greedy reasoning, ODE image with --eval_num_timesteps from noise seeded by the row,
     scored by --reward_fn; rows are shared out over the processes. Writes a grid PNG. Returns mean reward/format.
     With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward` (the refined image's score),
@@ -847,8 +986,8 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
         details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
         refined = [None] * len(idx)
         if cfg.reflect_refine:
-            reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, gen, accelerator,
-                                                          **generate)
+            reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, edit_gen or gen,
+                                                          accelerator, **generate)
             new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
             refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
                        for s, k, im in zip(new_scores, no_edit, images)]

@@ -39,6 +39,7 @@ from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.zero3 import clear_stale_zero3_gradients
 
 
 @dataclass
@@ -251,6 +252,7 @@ def main(cfg: SFTConfig):
         # ---- 2. forward/backward, one optimizer step ----
         policy.train()
         step_loss, grad_norm = 0.0, None
+        clear_stale_zero3_gradients(accelerator, policy)  # a text-only step leaves the vision tower idle
         for batch in micro_batches:
             with accelerator.accumulate(policy):
                 # DDP averages gradients over processes, so scale by the world size; accelerate divides by GA.

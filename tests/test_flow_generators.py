@@ -202,6 +202,32 @@ def test_qwen_batched_cfg_and_left_padding_tokenizer(qwen_dir, edit):
     _close(step_logprob(gen, cond, out.steps[0])[0].detach(), out.steps[0].log_prob, atol=1e-6)
 
 
+def test_qwen_edit_image_cfg_is_bagels_formula_inside_the_interval(qwen_dir):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir, edit_area=SIZE * SIZE)
+    images = [_image(5), _image(6)]
+    cond = gen.encode_condition(PROMPTS, images, height=SIZE, width=SIZE, max_sequence_length=128,
+                                image_guidance=True)
+    assert cond.no_image is not None and cond.no_image["drop_image"]
+    x = gen.prepare_latents(2, SIZE, SIZE, _gen())
+    t = torch.tensor([900.0, 200.0])  # sigma 0.9 inside (0.4, 1], 0.2 outside
+    text = Guidance(scale=4.0, interval=(0.4, 1.0))
+    both = Guidance(scale=4.0, interval=(0.4, 1.0), image_scale=1.5)
+    v_text = gen.velocity(x, t, cond, text)
+    # the branch without the input image is the text-to-image velocity of the same prompts
+    t2i = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)
+    v_free = gen.velocity(x, t, t2i, Guidance(scale=1.0))
+    v = gen.velocity(x, t, cond, both)
+    _close(v[0], v_free[0] + 1.5 * (v_text[0] - v_free[0]), atol=1e-5)
+    _close(v[1], v_text[1], atol=0)  # outside the interval: neither CFG (the conditional velocity)
+    assert (v[0] - v_text[0]).abs().max() > 1e-4  # the image branch does something
+    # without the no_image branch (image_guidance off) image_scale changes nothing; the SDE recompute keeps it
+    plain = gen.encode_condition(PROMPTS, images, height=SIZE, width=SIZE, max_sequence_length=128)
+    _close(gen.velocity(x, t, plain, both), v_text, atol=0)
+    out = sample(gen, cond, num_steps=3, sde_steps=[0], guidance=both, generator=_gen(), output_type=None)
+    _close(step_logprob(gen, cond, out.steps[0])[0].detach(), out.steps[0].log_prob, atol=1e-6)
+    assert (step_logprob(gen, cond, out.steps[0], guidance=text)[0] - out.steps[0].log_prob).abs().max() > 1e-6
+
+
 def test_ode_trajectory_unchanged_before_sde_step(qwen_dir):
     gen = QwenImageGenerator.from_pretrained(qwen_dir)
     cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)

@@ -1,6 +1,7 @@
 """train_mixgrpo.py: the stage reward rules, advantages, flag checks, reward endpoints, and on tiny models the
 loss at unchanged weights (ratio 1, KL 0, CFG on), tune_* gradients, 1 vs 2 processes, SIGKILL + exact resume."""
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
 
 import train_mixgrpo as tm
 from train_mixgrpo import MixGRPOConfig
@@ -99,7 +102,9 @@ def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std()
     (dict(reward_fn="nope"), 4, "--reward_fn 'nope'"),
     (dict(dataset_name="geneval", train_data_path="tiny"), 4, "--train_data_path tiny"),
     (dict(dataset_name="tiif", train_data_path="a", val_data_path=None, reward_fn="geneval"), 4, "judge_tiif"),
-    (dict(generator_lora_r=0), 4, "not supported yet"),
+    (dict(generator_lora_r=-1), 4, "--generator_lora_r -1 must be >= 0"),
+    (dict(edit_generator_name_or_path="edit", reflect_refine=False), 4, "--reflect_refine is off"),
+    (dict(cfg_img_scale_edit=0.5), 4, "--cfg_img_scale_edit 0.5"),
     (dict(sde_window_size=20), 4, "--sde_window_size 20 must lie in"),
     (dict(sde_window_size=4, sde_window_shift_interval=0), 4, "--sde_window_shift_interval"),
 ])
@@ -139,12 +144,13 @@ def tiny(tmp_path_factory):
     from tiny.t2i import make_t2i_prompts
 
     gen_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo") / "qwenimage"))
+    edit_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo-edit") / "qwenimage"), seed=1)
     cfg = MixGRPOConfig(**TINY_CFG)
     accelerator = Accelerator(cpu=True)
     model, processor, policy, gen, gen_params = tm.build_policy(cfg, os.path.join(gen_path, "_vlm"), gen_path, "cpu")
     stop = tm.stop_token_ids(model, processor.tokenizer)
     return dict(cfg=cfg, accelerator=accelerator, model=model, processor=processor, policy=policy, gen=gen,
-                gen_params=gen_params, rows=make_t2i_prompts(2, seed=0), gen_path=gen_path,
+                gen_params=gen_params, rows=make_t2i_prompts(2, seed=0), gen_path=gen_path, edit_path=edit_path,
                 stop=stop, suppress=tm.special_token_ids_to_suppress(processor.tokenizer, stop))
 
 
@@ -177,8 +183,8 @@ def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
         ref_mean = tm.image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
         ref_logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
     adv = torch.linspace(-1, 1, 8)
-    loss, stats = tm.mixgrpo_loss(cfg, policy, gen, roll, adv, adv, ref_logps=ref_logps, ref_mean=ref_mean,
-                                  text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    loss, stats = tm.mixgrpo_loss(cfg, tm.MixGRPOModel(policy, gen), roll, adv, adv, ref_logps=ref_logps,
+                                  ref_mean=ref_mean, text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
     assert stats["ratio_max_dev_text"] < 1e-5 and stats["ratio_max_dev_image"] < 1e-5
     assert stats["kl_text"].abs() < 1e-6 and stats["kl_image"].abs() < 1e-10
     assert stats["clip_ratio_text"] == 0 and stats["clip_ratio_image"] == 0
@@ -227,8 +233,8 @@ def test_window_rollout_records_every_window_step_and_trains_them_at_ratio_one(t
         ref_mean = tm.image_logprobs(gen, tm.step_condition(roll), steps, reference=True)[1]
         ref_logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
     adv = torch.linspace(0.1, 1, 8)  # a non-zero mean, so that a wrong normaliser shows
-    loss, stats = tm.mixgrpo_loss(cfg, policy, gen, roll, adv, adv, ref_logps=ref_logps, ref_mean=ref_mean,
-                                  text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    loss, stats = tm.mixgrpo_loss(cfg, tm.MixGRPOModel(policy, gen), roll, adv, adv, ref_logps=ref_logps,
+                                  ref_mean=ref_mean, text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
     assert stats["ratio_max_dev_image"] < 1e-5 and stats["kl_image"].abs() < 1e-10
     # at ratio 1 the image surrogate is -mean(advantage) over all 16 step terms: each step carries its image's
     image_part = (loss - stats["loss_text"] * cfg.ce_weight) / cfg.mse_weight
@@ -264,11 +270,79 @@ def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_im
     assert roll["cond"].image_latents is not None
     # ratio 1 at unchanged weights on the refine step too, and no image loss for the kept samples
     adv = torch.linspace(-1, 1, 8)
-    _, stats = tm.mixgrpo_loss(replace(cfg, kl_weight_text=0.0), tiny["policy"], tiny["gen"], roll, adv,
-                               adv * roll["image_mask"],
+    _, stats = tm.mixgrpo_loss(replace(cfg, kl_weight_text=0.0), tm.MixGRPOModel(tiny["policy"], tiny["gen"]), roll,
+                               adv, adv * roll["image_mask"],
                                ref_logps=None, ref_mean=None, text_tokens=roll["mask"].sum().float(), n_images=8,
                                world=1)
     assert stats["ratio_max_dev_image"] < 1e-5 and stats["ratio_max_dev_text"] < 1e-5
+
+
+def test_refine_with_its_own_edit_generator_trains_that_generator_with_image_cfg(tiny, monkeypatch):
+    cfg = tiny["cfg"]
+    edit, edit_params = tm.build_edit_generator(cfg, tiny["edit_path"], tiny["gen"], "cpu")
+    assert edit.text_encoder is tiny["gen"].text_encoder  # one conditioning for both generators, no second copy
+    reason = rollout(tiny)
+    buffer = dict(perfect=[], imperfect=[dict(id=i, row=r, score=0.5, image=im)
+                                         for i, (r, im) in enumerate(zip(reason["rows"], reason["images"]))])
+    real = tm.text_rollout
+
+    def edits(*args, **kw):  # the random tiny VLM never writes a reflection: every rollout edits
+        out = real(*args, **kw)
+        return dict(out, texts=["<think>x</think> add a circle"] * len(out["texts"]))
+
+    monkeypatch.setattr(tm, "text_rollout", edits)
+    common = dict(rank_in_group=0, policy=tiny["policy"], processor=tiny["processor"], accelerator=tiny["accelerator"],
+                  stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+    by_gen = tm.reflect_rollout(cfg, 1, [0, 1], buffer, gen=tiny["gen"], **common)
+    by_edit = tm.reflect_rollout(cfg, 1, [0, 1], buffer, gen=edit, **common)
+    # the same noise and text, another transformer: other images; image CFG on (the edit without its image)
+    assert not torch.equal(by_gen["steps"].next_latents, by_edit["steps"].next_latents)
+    assert by_edit["cond"].no_image is not None and by_edit["steps"].guidance.image_scale == cfg.cfg_img_scale_edit
+    model = tm.MixGRPOModel(tiny["policy"], tiny["gen"], edit)
+    assert {n.split(".")[0] for n, _ in model.named_children()} == {"text", "image", "edit_image"}
+    adv = torch.linspace(-1, 1, 8)
+    for p in tiny["gen_params"] + edit_params:
+        p.grad = None
+    loss, stats = tm.mixgrpo_loss(replace(cfg, kl_weight_text=0.0, tune_text_cot=False), model, by_edit, adv, adv,
+                                  ref_logps=None, ref_mean=None, text_tokens=by_edit["mask"].sum().float(),
+                                  n_images=8, world=1)
+    assert stats["ratio_max_dev_image"] < 1e-5  # recomputed by the edit generator, its image CFG included
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in edit_params)
+    assert all(p.grad is None for p in tiny["gen_params"])  # the reason stage's generator is not the one refining
+    for p in edit_params:
+        p.grad = None
+
+
+def test_full_finetuning_trains_every_generator_weight_against_a_frozen_copy(tiny, tmp_path):
+    cfg = replace(tiny["cfg"], generator_lora_r=0, reflect_refine=False)
+    _, processor, policy, gen, params = tm.build_policy(cfg, os.path.join(tiny["gen_path"], "_vlm"), tiny["gen_path"],
+                                                        "cpu")
+    assert len(params) == len(list(gen.transformer.parameters())) and all(p.requires_grad for p in params)
+    assert not tm.has_adapters(gen.transformer)
+    common = dict(rank_in_group=0, policy=policy, processor=processor, gen=gen, accelerator=tiny["accelerator"],
+                  stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+    roll = tm.reason_rollout(cfg, 0, [0, 1], tiny["rows"], **common)
+    model = tm.MixGRPOModel(policy, gen)
+    with torch.no_grad():
+        ref_mean = model(image=(tm.step_condition(roll), roll["steps"]), reference=True)["image"][1]
+    adv = torch.linspace(-1, 1, 8)
+    loss, stats = tm.mixgrpo_loss(replace(cfg, tune_text_cot=False), model, roll, adv, adv, ref_logps=None,
+                                  ref_mean=ref_mean, text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    assert stats["ratio_max_dev_image"] < 1e-5 and stats["kl_image"].abs() < 1e-10
+    loss.backward()
+    assert sum(p.grad is not None and p.grad.abs().sum() > 0 for p in params) > len(params) // 2  # not LoRA only
+    torch.optim.SGD(params, lr=1e-1).step()
+    with torch.no_grad():
+        moved = model(image=(tm.step_condition(roll), roll["steps"]))["image"][1]
+        ref_again = model(image=(tm.step_condition(roll), roll["steps"]), reference=True)["image"][1]
+    assert (moved - ref_mean).abs().max() > 1e-4 and torch.equal(ref_again, ref_mean)  # the copy stayed put
+    # the checkpoint holds the whole trained transformer as a diffusers model folder
+    from diffusers import QwenImageTransformer2DModel
+
+    folder = tm.save_generator(tiny["accelerator"], gen, params, str(tmp_path), "generator_transformer")
+    saved = QwenImageTransformer2DModel.from_pretrained(folder).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in gen.transformer.state_dict().items())
 
 
 @pytest.mark.parametrize("text, image", [(True, False), (False, True), (True, True)])
@@ -280,7 +354,7 @@ def test_tune_flags_put_gradients_on_exactly_their_parameters(tiny, text, image)
     for p in text_params + tiny["gen_params"]:
         p.grad = None
     adv = torch.linspace(-1, 1, 8)
-    loss, _ = tm.mixgrpo_loss(cfg, policy, gen, roll, adv, adv, ref_logps=None, ref_mean=None,
+    loss, _ = tm.mixgrpo_loss(cfg, tm.MixGRPOModel(policy, gen), roll, adv, adv, ref_logps=None, ref_mean=None,
                               text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
     loss.backward()
     text_grads = [p.grad for p in text_params if p.grad is not None and p.grad.abs().sum() > 0]
@@ -327,14 +401,36 @@ def values(m):
     return {k: m[k if k == "loss" else f"{stage}/{k}"] for k in LOSS_KEYS}
 
 
+def ds_args(tiny):
+    """2 processes as one policy group, a checkpoint every step, held-out evaluation, refine by its own generator."""
+    return dict(policy_group_size=2, save_steps=1, val_data_path="tiny", eval_samples=4,
+                edit_generator_name_or_path=tiny["edit_path"])
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixgrpo-ddp")
+    finish(launch(cli(tiny, out, **ds_args(tiny)), 2))
+    return train_rows(out)
+
+
+def train_rows(run_dir):
+    return [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]  # not the held-out rows
+
+
 @pytest.mark.slow
-def test_two_processes_as_one_policy_group_match_one_process(tiny, tmp_path):
-    # The same 2 prompts x 4 rollouts: one process, or two processes making 2 rollouts of each prompt.
-    one = launch(cli(tiny, tmp_path / "one", policy_group_size=1), 1)
-    finish(one)
-    two = launch(cli(tiny, tmp_path / "two", policy_group_size=2), 2)
-    finish(two)
-    m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+@pytest.mark.parametrize("conditioning", ["base", "policy"])
+def test_two_processes_as_one_policy_group_match_one_process(tiny, ddp_run, tmp_path, conditioning):
+    # The same 2 prompts x 4 rollouts: one process, or two processes making 2 rollouts of each prompt (the DDP run
+    # the DeepSpeed test also compares with). conditioning="policy": the generator reads the VLM as it trains.
+    args = dict(ds_args(tiny), conditioning=conditioning)
+    finish(launch(cli(tiny, tmp_path / "one", **dict(args, policy_group_size=1)), 1))
+    m1 = train_rows(tmp_path / "one")
+    if conditioning == "base":
+        m2 = ddp_run
+    else:
+        finish(launch(cli(tiny, tmp_path / "two", **args), 2))
+        m2 = train_rows(tmp_path / "two")
     assert len(m1) == len(m2) == 3
     assert "reflect/score" in m1[1] and "reason/score" in m1[2]  # the stages alternate
     assert m1[2]["reason/loss_image"] != m1[0]["reason/loss_image"]  # the runs really train
@@ -420,9 +516,47 @@ def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(ti
         assert a.size == b.size and a.tobytes() != b.tobytes()  # refined: new images
 
 
-def test_a_deepspeed_launch_is_refused_with_a_clear_error(monkeypatch):
-    from utils.config import ConfigError
+def launch_with_config(config, args):
+    """train_mixgrpo.py under `accelerate launch --config_file accelerate_configs/<config>.yaml`, 2 processes, fp32;
+    DS_ACCELERATOR=cpu gives DeepSpeed its CPU accelerator (gloo)."""
+    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
+           "--num_processes", "2", "--mixed_precision", "no", os.path.join(REPO, "train_mixgrpo.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(ConfigError, match="DeepSpeed accelerate config"):
-        tm.main(MixGRPOConfig(**TINY_CFG))
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, tmp_path, zero):
+    # One engine holds both parts (MixGRPOModel); ZeRO-3 shards the VLM and the generator, and the rollouts and the
+    # held-out evaluation run on gathered shards. Steps 1 and 3 reason, step 2 reflects on step 1's buffer.
+    args = ds_args(tiny)
+    finish(launch_with_config(zero, cli(tiny, tmp_path / "ds", **args)))
+    shards = os.listdir(tmp_path / "ds" / "checkpoint-3" / "training_state" / "pytorch_model")
+    assert sorted(s for s in shards if "optim_states" in s) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards  # DeepSpeed ran on 2 ranks
+    ds = train_rows(tmp_path / "ds")
+    assert [m["step"] for m in ds] == [m["step"] for m in ddp_run] == [1, 2, 3]
+    for a, b in zip(ddp_run, ds):
+        for key, value in values(a).items():
+            assert value == pytest.approx(values(b)[key], rel=1e-4, abs=1e-6), (a["step"], key, value, values(b))
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    summary = json.loads((tmp_path / "ds" / "train_summary.json").read_text())
+    assert 0.0 <= summary["heldout_reward_after"] <= 1.0 and (tmp_path / "ds" / "heldout_after.png").exists()
+    # both parts in the checkpoint, whole: the VLM as an HF folder, the generator's LoRA gathered from its shards
+    ckpt = tmp_path / "ds" / "checkpoint-3"
+    for part in ("generator_lora", "edit_generator_lora"):  # step 2 refined, steps 1 and 3 drew
+        lora = load_file(ckpt / part / "pytorch_lora_weights.safetensors")
+        assert lora and all(t.numel() > 0 for t in lora.values()), part
+        assert any(t.abs().sum() > 0 for k, t in lora.items() if "lora_B" in k), part  # trained away from B = 0
+    vlm = AutoModelForImageTextToText.from_pretrained(ckpt)
+    assert all(p.numel() > 0 for p in vlm.parameters())
+    # resume from checkpoint-1 (the next step reflects on the checkpointed buffer): steps 2 and 3 again
+    finish(launch_with_config(zero, cli(tiny, tmp_path / "resumed", resume_from_checkpoint=str(
+        tmp_path / "ds" / "checkpoint-1"), **args)))
+    resumed = train_rows(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == [2, 3]
+    for a, b in zip(ds[1:], resumed):
+        for key, value in values(a).items():
+            assert value == pytest.approx(values(b)[key], rel=1e-5, abs=1e-7), (a["step"], key)

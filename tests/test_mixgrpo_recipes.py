@@ -13,7 +13,10 @@ R3 = dict(ce_weight=1.0, mse_weight=2.0, kl_weight_text=1e-3, kl_weight_image=1e
           adam_epsilon=1e-8, max_grad_norm=1.0, clip_range_text=0.2, clip_range_image=0.2, group_size=16,
           policy_group_size=4, cfg_scale_gen=4.0, cfg_interval=[0.4, 1.0], noise_level_gen=0.7, timestep_shift=3.0,
           temperature=0.9, scale_advantages=False, enable_sde_gen=True, tune_text_cot=True, tune_image_cot=True,
-          model_name_or_path="Qwen/Qwen2.5-VL-7B-Instruct", generator_name_or_path="Qwen/Qwen-Image")
+          model_name_or_path="Qwen/Qwen2.5-VL-7B-Instruct", generator_name_or_path="Qwen/Qwen-Image",
+          reflect_refine=True, edit_generator_name_or_path="Qwen/Qwen-Image-Edit", noise_level_edit=1.0,
+          cfg_scale_edit=4.0, cfg_img_scale_edit=1.5, max_sde_timestep_idx_for_edit=2, perfect_buffer_prob=0.15,
+          enable_sde_edit=True)
 
 
 @pytest.mark.parametrize("name, dataset, reward", [
@@ -27,7 +30,6 @@ def test_r3_recipes_hold_r3_settings(name, dataset, reward):
         got = getattr(cfg, key)
         assert got == (pytest.approx(value) if isinstance(value, float) else value), key
     assert (cfg.dataset_name, cfg.reward_fn) == (dataset, reward)
-    assert not cfg.reflect_refine  # one generator does both stages: Qwen-Image's own weights are not an editor
     # The prompt files must be given: the tiny shapes set is refused for these schemas, before anything loads.
     with pytest.raises(ValueError, match="--train_data_path tiny"):
         tm.validate(cfg, 4)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from safetensors.torch import load_file
 
 import train_grpo
 from tiny.models import make_tiny_llm, make_tiny_vlm
@@ -489,10 +490,10 @@ def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(a
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("checkpoint-*"))
 
 
-def launch_with_config(config, args, env=None):
-    """train_grpo.py under `accelerate launch --config_file accelerate_configs/<config>.yaml`, 2 processes, fp32."""
+def launch_with_config(config, args, env=None, script="train_grpo.py", num_processes=2):
+    """train_grpo.py (or `script`) under `accelerate launch --config_file accelerate_configs/<config>.yaml`, fp32."""
     cmd = [ACCELERATE, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
-           "--num_processes", "2", "--mixed_precision", "no", os.path.join(REPO, "train_grpo.py"), *args]
+           "--num_processes", str(num_processes), "--mixed_precision", "no", os.path.join(REPO, script), *args]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -500,8 +501,9 @@ def launch_with_config(config, args, env=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, tmp_path, zero):
-    # DS_ACCELERATOR=cpu: DeepSpeed's gloo group on the CPU (ZeRO-3: sharded weights, gathered generation)
-    args = dict(per_device_train_batch_size=4, max_steps=2, save_steps=1)
+    # DS_ACCELERATOR=cpu: DeepSpeed's gloo group on the CPU (ZeRO-3: sharded weights, gathered generation);
+    # beta > 0: the frozen reference copy is a DeepSpeed inference engine of its own
+    args = dict(per_device_train_batch_size=4, max_steps=2, save_steps=1, beta=0.5)
     finish(launch_with_config("cpu", cli(assets, tmp_path / "ddp", **args)))
     env = {"DS_ACCELERATOR": "cpu"}
     finish(launch_with_config(zero, cli(assets, tmp_path / "ds", **args), env))
@@ -514,8 +516,39 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, tmp_path
     resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in ds] == [1, 2] and [m["step"] for m in resumed] == [2]
     for a, b in zip(ddp, ds):
-        for key in ("reward", "reward_std", "loss", "completion_length", "grad_norm"):
+        for key in ("reward", "reward_std", "loss", "completion_length", "grad_norm", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
-    assert ds[-1]["grad_norm"] > 0
+    assert ds[-1]["grad_norm"] > 0 and ds[-1]["kl"] > 0  # the reference really scored (step 2: weights moved)
+    # the HF copy names its weights as DDP's does (model.layers.*, not ZeRO-3's former model.model.layers.*); only
+    # the tied LM head may be written or left out (it is the embedding)
+    names = {run: set(load_file(str(tmp_path / run / "checkpoint-2" / "model.safetensors"))) for run in ("ddp", "ds")}
+    assert names["ds"] ^ names["ddp"] <= {"lm_head.weight"}, names["ds"] ^ names["ddp"]
+    assert any(".layers." in n for n in names["ds"])
     for key in ("reward", "loss", "completion_length"):
         assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_use_vllm_on_two_processes_matches_one_process(assets, tmp_path):
+    # Colocate mode: each process builds its own engine under the rendezvous variables it is given, syncs its
+    # weights, and samples its own completions (the fake engine samples by each completion's seed).
+    worker = os.path.join("tests", "fake_vllm_worker.py")
+    args = dict(use_vllm="true", max_steps=2)
+    finish(launch_with_config("cpu", cli(assets, tmp_path / "one", per_device_train_batch_size=8, **args),
+                              script=worker, num_processes=1))
+    finish(launch_with_config("cpu", cli(assets, tmp_path / "two", per_device_train_batch_size=4, **args),
+                              script=worker))
+    m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert len(m1) == len(m2) == 2
+    for a, b in zip(m1, m2):
+        for key in ("reward", "loss", "completion_length", "grad_norm", "vllm/logp_diff_mean", "vllm/logp_diff_max",
+                    "vllm/is_weight_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    engines = [json.loads((tmp_path / "two" / f"engine-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(e["env"]["RANK"], e["env"]["LOCAL_RANK"], e["env"]["WORLD_SIZE"]) for e in engines] == [
+        ("0", "0", "2"), ("1", "1", "2")]
+    assert engines[0]["env"]["MASTER_PORT"] == engines[1]["env"]["MASTER_PORT"]  # the launcher's rendezvous
+    assert all(e["synced"] > 0 and e["calls"].count("generate") == 2 for e in engines)
+    alone = json.loads((tmp_path / "one" / "engine-0.json").read_text())
+    assert not set(engines[0]["seeds"]) & set(engines[1]["seeds"])  # each process samples its own completions
+    assert sorted(engines[0]["seeds"] + engines[1]["seeds"]) == sorted(alone["seeds"])

@@ -139,9 +139,12 @@ class QwenImageGenerator(FlowGenerator):
             masks.append(torch.nn.functional.pad(m, (0, length - m.shape[1])))
         return {"embeds": torch.cat(embeds), "mask": torch.cat(masks)}
 
-    def encode_condition(self, prompts, images=None, *, height, width, negative_prompt=" ", max_sequence_length=512):
+    def encode_condition(self, prompts, images=None, *, height, width, negative_prompt=" ", max_sequence_length=512,
+                         image_guidance=False):
         """prompts: the text the image model reads (prompt, or prompt + reasoning). images: the previous images
-        (PIL or [B, 3, H, W] in [0, 1]) for an edit; the VLM sees them as QwenImageEditPipeline shows them."""
+        (PIL or [B, 3, H, W] in [0, 1]) for an edit; the VLM sees them as QwenImageEditPipeline shows them.
+        image_guidance: an edit also gets the `no_image` branch of Guidance(image_scale=...): the prompts encoded as
+        text-to-image prompts, drawn without the input image's tokens."""
         prompts, negs = self._prompts(prompts, negative_prompt)
         vsf, dev = self.pipe.vae_scale_factor, self.device
         shapes = [(1, height // vsf // 2, width // vsf // 2)]
@@ -170,8 +173,12 @@ class QwenImageGenerator(FlowGenerator):
             if negs is not None:
                 neg_embeds, neg_mask = encode(negs, **kw)
                 neg = {"embeds": neg_embeds, "mask": neg_mask}
+            no_image = None
+            if image_guidance and images is not None:
+                free, free_mask = self.t2i.encode_prompt(prompts, device=dev, max_sequence_length=max_sequence_length)
+                no_image = {"embeds": free, "mask": free_mask, "drop_image": True}
         return FlowCondition(pos={"embeds": embeds, "mask": mask}, neg=neg, height=height, width=width,
-                             image_latents=image_latents, shared={"img_shapes": shapes})
+                             image_latents=image_latents, no_image=no_image, shared={"img_shapes": shapes})
 
     def condition_from_embeds(self, embeds, mask=None, neg_embeds=None, neg_mask=None, *, height, width):
         """A text-to-image condition from hidden states computed elsewhere (as encode_prompt returns them)."""
@@ -193,7 +200,9 @@ class QwenImageGenerator(FlowGenerator):
 
     def forward(self, x, timestep, cond, branch, guidance):
         batch, n = x.shape[:2]
-        hidden = x if cond.image_latents is None else torch.cat([x, cond.image_latents.to(x.dtype)], dim=1)
+        with_image = cond.image_latents is not None and not branch.get("drop_image", False)
+        hidden = torch.cat([x, cond.image_latents.to(x.dtype)], dim=1) if with_image else x
+        shapes = cond.shared["img_shapes"] if with_image else cond.shared["img_shapes"][:1]
         embedded = None
         if self.transformer.config.guidance_embeds:  # guidance-distilled checkpoints take the scale as input
             if guidance.embedded is None:
@@ -201,7 +210,7 @@ class QwenImageGenerator(FlowGenerator):
             embedded = torch.full([batch], guidance.embedded, device=x.device, dtype=torch.float32)
         out = self.denoiser(hidden_states=hidden, timestep=timestep.to(x.dtype) / 1000, guidance=embedded,
                             encoder_hidden_states_mask=branch["mask"], encoder_hidden_states=branch["embeds"],
-                            img_shapes=[cond.shared["img_shapes"]] * batch, attention_kwargs={},
+                            img_shapes=[shapes] * batch, attention_kwargs={},
                             return_dict=False)[0]
         return out[:, :n]
 

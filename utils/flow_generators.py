@@ -5,7 +5,7 @@ A generator (an adapter over a diffusers pipeline, in `utils.flow_adapters`) off
   velocity(latents, timestep, cond, guidance)   the pipeline's CFG (true CFG, norm rescale) + a guidance interval
   schedule(num_steps, latents, shift=None)      the pipeline's set_timesteps call (its mu, or a fixed shift)
   prepare_latents / decode / encode_image       the pipeline's latent packing and VAE normalisation
-  add_lora / enable_gradient_checkpointing / reference()   training
+  add_lora or full_finetune / enable_gradient_checkpointing / reference()   training
 `sample` runs ODE steps except at `sde_steps` and records those steps (`SDEStep`); `step_logprob` recomputes a
 recorded step's log-prob, mean and std with the current weights and the rollout's guidance. Latents stay in fp32
 between steps (the transformer sees its own dtype), so bf16 weights do not round the trajectory.
@@ -13,6 +13,7 @@ between steps (the transformer sees its own dtype), so bf16 weights do not round
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
@@ -31,12 +32,16 @@ class Guidance:
     interval=(lo, hi): CFG only where lo < sigma <= hi (R3: (0.4, 1.0)); elsewhere the conditional velocity.
     renorm: rescale to the conditional velocity's per-token norm; None = the pipeline's choice (Qwen-Image: on).
     embedded: the guidance input of guidance-distilled transformers (FLUX.1-dev); None = the adapter's default.
+    image_scale > 1: an edit's image CFG on top (BAGEL's cfg_img_scale; R3: 1.5), where the text CFG is on:
+    v = v_free + image_scale * (v_text - v_free), v_text the text-guided velocity and v_free the prompt's without
+    the input image (a condition's `no_image` branch; without one, no image CFG).
     """
 
     scale: float = 4.0
     interval: tuple | None = None
     renorm: bool | None = None
     embedded: float | None = None
+    image_scale: float = 1.0
 
     def active(self, sigma):
         on = torch.full_like(sigma, self.scale > 1, dtype=torch.bool)
@@ -65,6 +70,7 @@ class FlowCondition:
     width: int
     image_latents: torch.Tensor | None = None  # image-conditioned edit: clean input-image tokens joined to the sequence
     init_latents: torch.Tensor | None = None  # SDEdit refine: clean latents of the previous image
+    no_image: dict | None = None  # an edit's prompt branch without the input image (image CFG); None = none
     extra: dict = field(default_factory=dict)
     shared: dict = field(default_factory=dict)
 
@@ -75,6 +81,7 @@ class FlowCondition:
     def map(self, fn):
         """Apply fn to every batch-first tensor (select, repeat, detach, move)."""
         return replace(self, pos=_map_dict(self.pos, fn), neg=_map_dict(self.neg, fn), extra=_map_dict(self.extra, fn),
+                       no_image=_map_dict(self.no_image, fn),
                        image_latents=None if self.image_latents is None else fn(self.image_latents),
                        init_latents=None if self.init_latents is None else fn(self.init_latents))
 
@@ -211,6 +218,13 @@ class FlowGenerator:
         on = guidance.active(t / self.scheduler.config.num_train_timesteps)
         if cond.neg is None or not self.cfg_allowed or not bool(on.any()):
             return self.forward(x, t, cond, cond.pos, guidance).float()
+        v = self._text_guided(x, t, cond, guidance, on)
+        if guidance.image_scale > 1 and cond.no_image is not None:  # BAGEL's image CFG, inside the text CFG's steps
+            v_free = self.forward(x, t, cond, cond.no_image, guidance).float()
+            v = torch.where(on.reshape(-1, *([1] * (v.ndim - 1))), v_free + guidance.image_scale * (v - v_free), v)
+        return v
+
+    def _text_guided(self, x, t, cond, guidance, on):
         if self.cfg_batched:
             both = self._merge_branches(cond.neg, cond.pos)
             double = cond.select(torch.cat([torch.arange(x.shape[0])] * 2))
@@ -253,6 +267,13 @@ class FlowGenerator:
             p.data = p.data.float()
         return params
 
+    def full_finetune(self, reference=True):
+        """Train every transformer weight (no LoRA); returns them. The reference of `reference()` is then a frozen
+        copy of the transformer as it is now (a second copy in memory); reference=False: none (no image KL)."""
+        self.transformer.requires_grad_(True)
+        self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval() if reference else None
+        return list(self.transformer.parameters())
+
     def trainable_parameters(self):
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
@@ -264,9 +285,18 @@ class FlowGenerator:
 
     @contextmanager
     def reference(self):
-        """The base transformer (LoRA off), for the image KL's reference mean. Without LoRA it changes nothing."""
-        with adapters_disabled(self.transformer):
+        """The base transformer (LoRA off), for the image KL's reference mean; after full_finetune() its frozen copy.
+        Without either it changes nothing."""
+        frozen = getattr(self, "reference_transformer", None)
+        if frozen is None:
+            with adapters_disabled(self.transformer):
+                yield
+            return
+        denoiser, self.denoiser = self.denoiser, frozen
+        try:
             yield
+        finally:
+            self.denoiser = denoiser
 
     # ---- adapter hooks ----------------------------------------------------------------------------------------
 

@@ -174,5 +174,6 @@ def prepare_reference_model(cfg, model_path, policy, accelerator):
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage if stage == 3 else 0},
                   "bf16": {"enabled": bool(ds.get("bf16", {}).get("enabled", False))}}
         engine, *_ = deepspeed.initialize(model=ref, config=config)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval() returns None, unlike nn.Module.eval()
+        return engine
     return ref.to(accelerator.device)

@@ -110,6 +110,14 @@ def load_model_and_processor(
         processor = tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:  # batched generation needs a pad token
         tokenizer.pad_token = tokenizer.eos_token
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled() and getattr(model, "_weight_conversions", None):
+        # Loaded sharded (ZeRO-3), transformers 5 keeps its whole key-renaming table, legacy renamings included
+        # (integrations/deepspeed.py), not only those this checkpoint used (core_model_loading.py); reverting all of
+        # them on save named the language model's weights model.model.layers.*. None: save_pretrained reverts the
+        # model's own renamings, as after an unsharded load (model.layers.*, what vLLM and the hub checkpoints use).
+        model._weight_conversions = None
     if freeze_vision_tower:
         _freeze_vision_tower(model)  # the flag shadows the function's name here
     return model, processor

@@ -16,7 +16,7 @@ are merged one layer at a time into a temporary (the policy's own weights are ne
 copy of the model exists). Frozen weights are never sent: the engine loaded them from the same checkpoint.
 
 Flags are read from the config with defaults (`getattr(cfg, name, default)`), so any script's config works.
-Install with `pip install -r requirements-vllm.txt -c constraints-vllm.txt` (docs/distributed.md).
+Install with `pip install -r requirements-vllm.txt` (docs/distributed.md).
 """
 
 import contextlib
@@ -53,8 +53,7 @@ def require_vllm():
     except ImportError as err:
         raise ImportError(
             "--use_vllm needs vLLM, which is not installed: on a CUDA machine run "
-            "`pip install -r requirements.txt -r requirements-vllm.txt -c constraints-vllm.txt`, "
-            "or drop --use_vllm to generate with transformers"
+            "`pip install -r requirements-vllm.txt`, or drop --use_vllm to generate with transformers"
         ) from err
     if not torch.cuda.is_available():
         raise RuntimeError("--use_vllm runs on CUDA GPUs only; drop it on the CPU")
