@@ -189,6 +189,10 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
     With `prompt_index` ([B], the row of `batch` each completion continues), `batch` holds each distinct prompt
     once: its prefill (vision tower included) runs once and the KV cache is shared by its completions, as in the
     training pass (`utils.logprobs`). Only for models `can_share_prompts` accepts.
+
+    `model` must hold whole weights (under ZeRO-3: inside `unwrap_for_generation`), so no process waits on another:
+    transformers would otherwise turn on `synced_gpus` under ZeRO-3, and processes that make different numbers of
+    calls (an uneven share of held-out rows) would hang in its per-token all-reduce.
     """
     cache = None
     if prompt_index is not None:
@@ -202,7 +206,8 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
         suppress_tokens=list(suppress_token_ids) or None,
     )
     shared = cache_kwargs(model, cache) if cache is not None else {}
-    out = model.generate(**batch, **shared, generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+    out = model.generate(**batch, **shared, generation_config=config, logits_processor=LogitsProcessorList([sampler]),
+                         synced_gpus=False)
     completion = out[:, prompt_length:]
     return completion, completion_mask(completion, eos_token_id)
 
