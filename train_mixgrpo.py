@@ -835,10 +835,11 @@ def main(cfg: MixGRPOConfig):
                 save_total_limit=cfg.save_total_limit,
                 extra_saves={**{name: (lambda d, src=src: os.replace(src, d)) for name, src in loras.items()},
                              **({"reflect_buffer": lambda d: save_buffer(buffer, d)} if buffer is not None else {})})
-            if uploader:
-                parts = " + ".join(p for p in (vlm_path, gen_path, cfg.edit_generator_name_or_path) if p)
-                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=parts,
-                              script="train_mixgrpo.py")
+            if uploader:  # the VLM at the repository's top, each generator part in its subfolder
+                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics,
+                              base_model=[p for p in (vlm_path, gen_path, cfg.edit_generator_name_or_path) if p],
+                              script="train_mixgrpo.py", parts=list(loras),
+                              notes=generator_card(cfg, gen_path, list(loras)))
 
     summary = dict(global_step=global_step, train_runtime=time.perf_counter() - train_start,
                    peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
@@ -901,6 +902,27 @@ def save_generator(accelerator, gen, params, output_dir, name):
             else:
                 gen.transformer.save_pretrained(staging)
     return staging
+
+
+def generator_card(cfg, gen_path, parts):
+    """The model card's section on the generators: which pipeline each trained part (a checkpoint subfolder) belongs
+    to, and the code that loads it."""
+    reads = "base" if cfg.conditioning == "base" else "trained"
+    lines = ["## The image generators", "", f"The VLM above reasons and reflects; the {reads} weights of a VLM like "
+             "it condition the generators (their pipelines' own text encoder, for `--conditioning base`):", ""]
+    code = ["```python", "from diffusers import DiffusionPipeline", ""]
+    for name in parts:
+        base, var = ((cfg.edit_generator_name_or_path, "edit") if name.startswith("edit_") else (gen_path, "pipe"))
+        lora = name.endswith("_lora")
+        lines.append(f"- `{name}/`: {'the LoRA' if lora else 'the fine-tuned transformer'} of `{base}`")
+        code.append(f'{var} = DiffusionPipeline.from_pretrained("{base}")')
+        if lora:
+            code.append(f'{var}.transformer.load_lora_adapter("{cfg.hub_model_id}", subfolder="{name}", prefix=None,\n'
+                        '    weight_name="pytorch_lora_weights.safetensors")')
+        else:
+            code.append(f'{var}.transformer = type({var}.transformer).from_pretrained("{cfg.hub_model_id}", '
+                        f'subfolder="{name}")')
+    return "\n".join(lines + [""] + code + ["```"])
 
 
 def save_buffer(buffer, folder):

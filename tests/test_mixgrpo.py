@@ -3,6 +3,7 @@ loss at unchanged weights (ratio 1, KL 0, CFG on), tune_* gradients, 1 vs 2 proc
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -343,6 +344,38 @@ def test_full_finetuning_trains_every_generator_weight_against_a_frozen_copy(tin
     folder = tm.save_generator(tiny["accelerator"], gen, params, str(tmp_path), "generator_transformer")
     saved = QwenImageTransformer2DModel.from_pretrained(folder).state_dict()
     assert all(torch.equal(saved[k], v) for k, v in gen.transformer.state_dict().items())
+
+
+def test_the_hub_card_loads_each_generator_part_from_its_subfolder(tiny, tmp_path):
+    from utils.hub import stage_for_hub
+
+    cfg = replace(tiny["cfg"], edit_generator_name_or_path=tiny["edit_path"])
+    model, _, _, gen, params = tm.build_policy(cfg, os.path.join(tiny["gen_path"], "_vlm"), tiny["gen_path"], "cpu")
+    edit, edit_params = tm.build_edit_generator(cfg, tiny["edit_path"], gen, "cpu")
+    with torch.no_grad():
+        for p in params + edit_params:
+            p.normal_()  # trained LoRA weights (B is no longer 0)
+    ckpt = tmp_path / "checkpoint-1"
+    model.save_pretrained(ckpt)
+    for name, g, ps in (("generator_lora", gen, params), ("edit_generator_lora", edit, edit_params)):
+        os.replace(tm.save_generator(tiny["accelerator"], g, ps, str(tmp_path), name), ckpt / name)
+    staged = tmp_path / "staged"  # what the hub repository would hold
+    cfg.hub_model_id = str(staged)
+    stage_for_hub(ckpt, staged, base_model=[tiny["gen_path"] + "/_vlm", tiny["gen_path"], tiny["edit_path"]],
+                  parts=["generator_lora", "edit_generator_lora"],
+                  notes=tm.generator_card(cfg, tiny["gen_path"], ["generator_lora", "edit_generator_lora"]))
+    assert (staged / "generator_lora" / "pytorch_lora_weights.safetensors").is_file()
+    card = (staged / "README.md").read_text()
+    code = card.split("## The image generators", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {}
+    exec(code, scope)  # the card's own loading code
+    def lora_weights(transformer):  # keyed without the adapter's name (loaded: default_0)
+        return {re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", k): v for k, v in transformer.state_dict().items()
+                if ".lora_" in k}
+
+    for loaded, trained in ((scope["pipe"], gen), (scope["edit"], edit)):
+        want, got = lora_weights(trained.transformer), lora_weights(loaded.transformer)
+        assert want and set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
 
 
 @pytest.mark.parametrize("text, image", [(True, False), (False, True), (True, True)])

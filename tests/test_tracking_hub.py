@@ -186,6 +186,20 @@ def test_stage_for_hub_copies_only_the_model_and_writes_a_card(tmp_path):
     assert "AutoModelForImageTextToText" in body  # a VLM checkpoint
 
 
+def test_stage_for_hub_takes_named_subfolders_and_several_base_models(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "checkpoint-3")
+    (checkpoint / "generator_lora").mkdir()
+    (checkpoint / "generator_lora" / "pytorch_lora_weights.safetensors").write_bytes(b"lora")
+    staged = Path(stage_for_hub(checkpoint, tmp_path / "stage", recipe={}, metrics={}, base_model=["vlm", "gen"],
+                                parts=["generator_lora"], notes="## The image generators\n\nread me"))
+    assert (staged / "generator_lora" / "pytorch_lora_weights.safetensors").read_bytes() == b"lora"
+    assert not (staged / "training_state").exists()
+    front, body = read_card(staged)
+    assert front["base_model"] == ["vlm", "gen"] and "## The image generators" in body
+    with pytest.raises(FileNotFoundError, match="edit_generator_lora"):
+        stage_for_hub(checkpoint, tmp_path / "stage2", parts=["edit_generator_lora"])
+
+
 def test_stage_for_hub_without_weights_names_the_folder(tmp_path):
     (tmp_path / "training_state").mkdir()
     with pytest.raises(FileNotFoundError, match="training_state"):

@@ -66,28 +66,32 @@ def _metric_cell(value) -> str:
     return str(value)
 
 
-def write_model_card(folder, *, base_model: str | None, recipe: dict | None, metrics: dict | None,
-                     script: str | None, tags=(), model_name: str | None = None) -> str:
-    """README.md with hub metadata (front matter), the recipe, the final metrics and how to load the model."""
+def write_model_card(folder, *, base_model: str | list | None, recipe: dict | None, metrics: dict | None,
+                     script: str | None, tags=(), model_name: str | None = None, notes: str | None = None) -> str:
+    """README.md with hub metadata (front matter), the recipe, the final metrics and how to load the model.
+    base_model: one model id, or a list for a model of several parts; notes: markdown added before how to load."""
     folder = Path(folder)
     script_name = Path(script).name if script else None
     card_tags = ["mmgrpo"] + SCRIPT_TAGS.get(script_name, []) + [t for t in tags if t]
     front = {"library_name": "transformers", "tags": list(dict.fromkeys(card_tags))}
-    if base_model:
-        front["base_model"] = base_model
+    bases = [base_model] if isinstance(base_model, str) else list(base_model or [])
+    if bases:
+        front["base_model"] = bases[0] if len(bases) == 1 else bases
     vision = _is_vision_model(folder)
     model_cls, processor_cls = (("AutoModelForImageTextToText", "AutoProcessor") if vision
                                 else ("AutoModelForCausalLM", "AutoTokenizer"))
-    title = model_name or (f"{base_model.split('/')[-1]} (mmgrpo)" if base_model else "mmgrpo model")
+    title = model_name or (f"{bases[0].split('/')[-1]} (mmgrpo)" if bases else "mmgrpo model")
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {title}", ""]
     trained = f"Trained with mmgrpo's `{script_name}`" if script_name else "Trained with mmgrpo"
-    lines += [f"{trained}" + (f", starting from `{base_model}`." if base_model else "."), ""]
+    lines += [f"{trained}" + (", starting from " + ", ".join(f"`{b}`" for b in bases) + "." if bases else "."), ""]
     if recipe:
         lines += ["## Recipe", "", "```yaml", yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
     if metrics:
         lines += ["## Final metrics", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {name} | {_metric_cell(value)} |" for name, value in metrics.items()]
         lines.append("")
+    if notes:
+        lines += [notes.strip(), ""]
     lines += ["## How to load", "", "```python", f"from transformers import {model_cls}, {processor_cls}", "",
               f'repo = "{model_name or "<repo id>"}"', f"model = {model_cls}.from_pretrained(repo)",
               f"processor = {processor_cls}.from_pretrained(repo)", "```", ""]
@@ -97,9 +101,10 @@ def write_model_card(folder, *, base_model: str | None, recipe: dict | None, met
 
 
 def stage_for_hub(checkpoint_dir, staging_dir, *, recipe: dict | None = None, metrics: dict | None = None,
-                  base_model: str | None = None, script: str | None = None, tags=(),
-                  model_name: str | None = None) -> str:
-    """Copy the hub-worthy files of `checkpoint_dir` into `staging_dir` and write its model card."""
+                  base_model: str | list | None = None, script: str | None = None, tags=(),
+                  model_name: str | None = None, parts=(), notes: str | None = None) -> str:
+    """Copy the hub-worthy files of `checkpoint_dir` into `staging_dir` and write its model card. `parts`: subfolders
+    that go along whole (another model's weights, e.g. a generator's LoRA); each must exist."""
     checkpoint_dir, staging_dir = Path(checkpoint_dir), Path(staging_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"stage_for_hub: checkpoint folder not found: {checkpoint_dir}")
@@ -107,11 +112,16 @@ def stage_for_hub(checkpoint_dir, staging_dir, *, recipe: dict | None = None, me
     if not any(p.name.endswith(".safetensors") for p in files):
         raise FileNotFoundError(f"stage_for_hub: no *.safetensors weights in {checkpoint_dir} "
                                 f"(point it at a checkpoint-N folder written by save_checkpoint)")
+    missing = [name for name in parts if not (checkpoint_dir / name).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"stage_for_hub: no {missing[0]}/ in {checkpoint_dir}")
     staging_dir.mkdir(parents=True, exist_ok=True)
     for path in files:
         _link_or_copy(path, staging_dir / path.name)
+    for name in parts:
+        shutil.copytree(checkpoint_dir / name, staging_dir / name, copy_function=_link_or_copy)
     write_model_card(staging_dir, base_model=base_model, recipe=recipe, metrics=metrics, script=script, tags=tags,
-                     model_name=model_name)
+                     model_name=model_name, notes=notes)
     return str(staging_dir)
 
 
@@ -126,16 +136,17 @@ class HubUploader:
         self._repo_created = False
 
     def push(self, checkpoint_dir, card: dict | None = None, *, recipe=None, metrics=None, base_model=None,
-             script=None, commit_message: str | None = None) -> concurrent.futures.Future:
+             script=None, commit_message: str | None = None, parts=(), notes=None) -> concurrent.futures.Future:
         """Stage now, upload in the background. `card` may carry recipe/metrics/base_model/script/tags instead of
-        the keyword arguments. The Future resolves to the upload's commit info or holds its error."""
+        the keyword arguments; `parts` and `notes` as in `stage_for_hub`. The Future resolves to the upload's
+        commit info or holds its error."""
         card = dict(card or {})
         staging = Path(tempfile.mkdtemp(prefix="mmgrpo-hub-"))
         try:
             stage_for_hub(checkpoint_dir, staging, recipe=recipe if recipe is not None else card.get("recipe"),
                           metrics=metrics if metrics is not None else card.get("metrics"),
                           base_model=base_model or card.get("base_model"), script=script or card.get("script"),
-                          tags=card.get("tags", ()), model_name=self.repo_id)
+                          tags=card.get("tags", ()), model_name=self.repo_id, parts=parts, notes=notes)
         except Exception:
             shutil.rmtree(staging, ignore_errors=True)
             raise
