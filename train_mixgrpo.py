@@ -599,9 +599,9 @@ def train_generator(cfg, gen):
 
 
 def build_edit_generator(cfg, edit_path, gen, device):
-    """The refine stage's own generator (a Qwen-Image-Edit folder) with its own LoRA, reading the same text encoder as
-    the reason stage's `gen` (the VLM's base weights or the policy, as --conditioning says). Returns (generator, its
-    LoRA parameters)."""
+    """The refine stage's own generator (a Qwen-Image-Edit folder), trained like the reason stage's (`train_generator`),
+    reading the same text encoder as `gen` (the VLM's base weights or the policy, as --conditioning says). Returns
+    (generator, its trainable parameters)."""
     return load_generator(cfg, edit_path, "edit_generator_name_or_path", device,
                           hidden=gen.transformer.config.joint_attention_dim,
                           copy_text_encoder=False,  # gen's text encoder is already the right one
