@@ -128,7 +128,8 @@ def _free_port():
 def test_two_process_ddp_launch_on_cpu(tmp_path):
     accelerate_bin = Path(sys.executable).parent / "accelerate"
     result = tmp_path / "ddp_result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [str(accelerate_bin), "launch", "--config_file", str(CONFIGS / "cpu.yaml"),
            "--main_process_port", str(_free_port()), str(REPO / "tests" / "ddp_smoke.py"), str(result)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
