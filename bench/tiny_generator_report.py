@@ -8,9 +8,13 @@ rendered for training, though the prompt strings repeat: the tiny world has ~180
 steps, scores them with score_t2i (the "tiny" behaviour: score, strict, detected vs requested objects) and prints
 a Markdown table. As references it scores the same rows' ground-truth renders, their VAE round trips and the
 untrained transformer (the same pipeline with freshly initialised transformer weights), and for a build that reads
-scene plans, each row's prompt with another row's plan (how much the plan is followed). The grid (first scale)
-shows, per row, the prompt, its ground-truth render and `grid_samples` samples of seeds 0, 1, ...; from those
-samples it also prints how much the prompt changes an image compared with how much the noise seed does.
+scene plans, each row's prompt with another row's plan (how much the plan is followed) and how much the velocity
+moves when one word of a plan changes (its colour, shape or cell: which of them the generator reads); with
+`--planner` also the plans a planner VLM writes greedily for train_mixgrpo's reason prompt (what the policy starts
+from; it prints the share of those plans that name exactly the requested objects, tiny.t2i.plan_matches_request).
+The grid (first scale) shows, per row, the prompt, its ground-truth render and `grid_samples` samples of seeds 0,
+1, ...; from those samples it also prints how much the prompt changes an image compared with how much the noise
+seed does.
 """
 
 import argparse
@@ -35,6 +39,7 @@ from tiny.generator import (  # noqa: E402
     to_uint8,
     vae_roundtrip,
 )
+from tiny.t2i import plan_matches_request  # noqa: E402
 
 
 def markdown_table(tables):
@@ -77,6 +82,54 @@ def grid_png(path, rows, truth, samples, scale=3):
     return path
 
 
+PLAN_EDITS = {  # one word of a plan changed: what the generator should draw differently
+    "colour": ("a photo of a red circle\nred circle top left", "a photo of a blue circle\nblue circle top left"),
+    "shape": ("a photo of a red circle\nred circle top left", "a photo of a red square\nred square top left"),
+    "cell": ("a photo of a red circle\nred circle top left", "a photo of a red circle\nred circle bottom right"),
+}
+
+
+@torch.no_grad()
+def plan_sensitivity(gen, size, sigmas=(0.95, 0.8, 0.6), seeds=8):
+    """Mean |velocity change| when one word of the plan changes (colour, shape, cell), from the same noisy latents
+    (`seeds` noises at each sigma): which parts of the text the generator reads."""
+    out = {}
+    for name, (a, b) in PLAN_EDITS.items():
+        cond = gen.encode_condition([a] * seeds + [b] * seeds, height=size, width=size, negative_prompt=None)
+        noise = torch.cat([gen.prepare_latents(1, size, size, torch.Generator().manual_seed(i)) for i in range(seeds)])
+        out[name] = []
+        for sigma in sigmas:
+            v = gen.velocity(noise.repeat(2, 1, 1), torch.full((2 * seeds,), sigma * 1000.0), cond)
+            out[name].append(round(float((v[:seeds] - v[seeds:]).abs().mean()), 4))
+    return {"sigmas": list(sigmas), **out}
+
+
+@torch.no_grad()
+def planner_plans(name, rows, max_new_tokens=64, batch=32):
+    """The reasoning a planner VLM writes greedily for each row under train_mixgrpo's reason prompt."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from tiny.cache import resolve_tiny_name
+    from train_mixgrpo import REASON_PROMPT, reasoning_of, user_message
+    from utils.rollout import encode_prompts, generate_completions, stop_token_ids
+
+    path = resolve_tiny_name(name)
+    processor = AutoProcessor.from_pretrained(path)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    tok = processor.tokenizer
+    stops, plans = stop_token_ids(model, tok), []
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        enc = encode_prompts(processor, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in chunk],
+                             [[] for _ in chunk], sample_ids=[r["prompt"] for r in chunk])
+        ids, mask = generate_completions(model, enc, row_seeds=torch.arange(len(chunk)), temperature=0.0,
+                                         max_new_tokens=max_new_tokens, eos_token_id=stops,
+                                         pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(ids.masked_fill(mask == 0, tok.pad_token_id), skip_special_tokens=True)
+        plans += [reasoning_of(t)[1] for t in texts]
+    return plans
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", default=None, help="generator folder (default: tiny.cache.tiny_generator_path())")
@@ -90,6 +143,8 @@ def main():
     ap.add_argument("--grid_rows_per_tag", type=int, default=2)
     ap.add_argument("--grid_samples", type=int, default=6)
     ap.add_argument("--json", default=None, help="write the tables here")
+    ap.add_argument("--planner", default=None, help="also draw the greedy plans of this VLM (tiny-planner: the cached "
+                                                    "Mix-GRPO warm start, or a folder)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -126,13 +181,28 @@ def main():
         images = sample_images(gen, other, size=cfg.image_size, num_steps=args.num_steps,
                                guidance_scale=args.guidance_scale[0], shift=args.shift)
         tables[f"another row's plan, CFG {args.guidance_scale[0]:g}"] = score_images(images, rows)["table"]
+    if cfg.plan:
+        sensitivity = plan_sensitivity(gen, cfg.image_size)
+        print(f"mean |velocity change| at sigma {sensitivity['sigmas']} when one plan word changes: "
+              + "; ".join(f"{k} {v}" for k, v in sensitivity.items() if k != "sigmas"))
+        tables_extra = {"plan_sensitivity": sensitivity}
+    else:
+        tables_extra = {}
+    if args.planner:
+        plans = planner_plans(args.planner, rows)
+        right = sum(plan_matches_request(p, r) for p, r in zip(plans, rows))
+        print(f"{args.planner}: {right} of {len(rows)} greedy plans name exactly the requested objects")
+        images = sample_images(gen, [f"{r['prompt']}\n{p}" for r, p in zip(rows, plans)], size=cfg.image_size,
+                               num_steps=args.num_steps, guidance_scale=args.guidance_scale[0], shift=args.shift)
+        tables[f"planner's plan, CFG {args.guidance_scale[0]:g}"] = score_images(images, rows)["table"]
 
     print(f"generator {args.path}: {args.n} held-out rows (seed {args.seed}), {args.num_steps} ODE steps, "
           f"shift {args.shift if args.shift is not None else gen.scheduler.config.shift}")
     print(markdown_table(tables))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"path": args.path, "args": vars(args), "tables": tables, "build": summary}, f, indent=2)
+            json.dump({"path": args.path, "args": vars(args), "tables": tables, "build": summary, **tables_extra}, f,
+                      indent=2)
     if args.grid:
         by_tag = {}
         for i, row in enumerate(rows):

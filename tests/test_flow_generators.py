@@ -8,7 +8,13 @@ import torch
 from PIL import Image
 
 from tiny.pipelines import make_tiny_flux, make_tiny_klein, make_tiny_qwenimage, make_tiny_sd3
-from utils.flow_adapters import Flux2KleinGenerator, FluxGenerator, QwenImageGenerator, SD3Generator
+from utils.flow_adapters import (
+    Flux2KleinGenerator,
+    FluxGenerator,
+    QwenImageGenerator,
+    SD3Generator,
+    template_prefix_length,
+)
 from utils.flow_generators import Guidance, SDEStep, edit_start, load_flow_generator, sample, step_logprob
 from utils.flow_sde import sde_std_t
 
@@ -68,6 +74,7 @@ def test_qwenimage_ode_matches_pipeline(qwen_dir):
     from diffusers import QwenImagePipeline
 
     pipe = QwenImagePipeline.from_pretrained(qwen_dir)
+    pipe.prompt_template_encode_start_idx = template_prefix_length(pipe)  # as the adapter (Qwen's tokenizer: 34)
     ref = pipe(PROMPTS, negative_prompt=" ", true_cfg_scale=4.0, height=SIZE, width=SIZE, num_inference_steps=3,
                generator=_gen(), output_type="pt", max_sequence_length=128).images
     gen = QwenImageGenerator.from_pretrained(qwen_dir)
@@ -87,6 +94,7 @@ def test_qwenimage_edit_ode_matches_pipeline(qwen_dir, monkeypatch):
     monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: original(SIZE * SIZE, ratio))
     image = _image()
     pipe = QwenImageEditPipeline.from_pretrained(qwen_dir)
+    pipe.prompt_template_encode_start_idx = template_prefix_length(pipe)  # as the adapter (Qwen's tokenizer: 64)
     ref = pipe(image=image, prompt=PROMPTS[0], negative_prompt=" ", true_cfg_scale=4.0, height=SIZE, width=SIZE,
                num_inference_steps=2, generator=_gen(), output_type="pt", max_sequence_length=128).images
     gen = QwenImageGenerator.from_pretrained(qwen_dir, edit_area=SIZE * SIZE)
@@ -94,6 +102,22 @@ def test_qwenimage_edit_ode_matches_pipeline(qwen_dir, monkeypatch):
     assert cond.image_latents is not None and len(cond.shared["img_shapes"]) == 2
     out = sample(gen, cond, num_steps=2, guidance=Guidance(scale=4.0), generator=_gen())
     _close(out.images, ref)
+
+
+def test_qwen_encodings_start_at_the_prompt_for_any_tokenizer(qwen_dir):
+    """The dropped template prefix is counted with the pipeline's own tokenizer: the first state kept is the
+    prompt's first token (with diffusers' constant 34, this tokenizer's longer system prompt would leave dozens of
+    template states, the same for every prompt, in front of it)."""
+    gen = QwenImageGenerator.from_pretrained(qwen_dir, edit_area=SIZE * SIZE)
+    for pipe, diffusers_constant in ((gen.t2i, 34), (gen.edit, 64)):
+        template = pipe.prompt_template_encode
+        ids = pipe.tokenizer(template.format("a red circle"))["input_ids"]
+        kept = pipe.tokenizer.decode(ids[template_prefix_length(pipe):])
+        assert kept.startswith("a red circle"), kept
+        assert template_prefix_length(pipe) != diffusers_constant  # this tokenizer is not Qwen's
+    cond = gen.encode_condition(["red circle", "blue circle"], height=SIZE, width=SIZE, negative_prompt=None)
+    first = cond.pos["embeds"][:, 0]
+    assert (first[0] - first[1]).abs().max() > 1e-3  # the first kept state already reads the prompt
 
 
 def test_sd3_ode_matches_pipeline(sd3_dir):

@@ -434,6 +434,26 @@ def values(m):
     return {k: m[k if k == "loss" else f"{stage}/{k}"] for k in LOSS_KEYS}
 
 
+def assert_same_metrics(a, b, rel=1e-4):
+    """Two runs that differ only in how float sums are ordered (processes, DeepSpeed): every metric within `rel`,
+    but an advantage, a difference of rewards of about 0.5, carries the rewards' float noise at their scale, not its
+    own: it is compared within rel x its reward (a 0.004 advantage moves by 5e-4 of itself when its rewards move by
+    5e-5 of theirs)."""
+    va, vb = values(a), values(b)
+    for key, value in va.items():
+        scale = va[key.replace("advantage_abs", "reward")] if "advantage" in key else 0.0
+        tolerance = dict(rel=rel, abs=max(1e-6, rel * scale))
+        assert value == pytest.approx(vb[key], **tolerance), (a["step"], key, value, vb)
+
+
+def reward_noise_gain(m):
+    """How much a step's gradient, proportional to its advantages, magnifies its rewards' relative float noise:
+    reward / largest mean |advantage| of the step (text or image), at least 1."""
+    stage = "reflect" if "reflect/score" in m else "reason"
+    advantage = max(m[f"{stage}/image_advantage_abs"], m[f"{stage}/text_advantage_abs"])
+    return max(1.0, m[f"{stage}/image_reward"] / max(advantage, 1e-12))
+
+
 def ds_args(tiny):
     """2 processes as one policy group, refine by its own generator."""
     return dict(policy_group_size=2, edit_generator_name_or_path=tiny["edit_path"])
@@ -467,8 +487,7 @@ def test_two_processes_as_one_policy_group_match_one_process(tiny, ddp_run, tmp_
     assert "reflect/score" in m1[1] and "reason/score" in m1[2]  # the stages alternate
     assert m1[2]["reason/loss_image"] != m1[0]["reason/loss_image"]  # the runs really train
     for a, b in zip(m1, m2):
-        for key, value in values(a).items():
-            assert value == pytest.approx(values(b)[key], rel=1e-4, abs=1e-6), (a["step"], key, value, values(b))
+        assert_same_metrics(a, b)
 
 
 @pytest.mark.slow
@@ -574,9 +593,8 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, t
     ds = train_rows(tmp_path / "ds")
     assert [m["step"] for m in ds] == [m["step"] for m in ddp_run] == [1, 2, 3]
     for a, b in zip(ddp_run, ds):
-        for key, value in values(a).items():
-            assert value == pytest.approx(values(b)[key], rel=1e-4, abs=1e-6), (a["step"], key, value, values(b))
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert_same_metrics(a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4 * reward_noise_gain(a)), a["step"]
     if evaluation:
         summary = json.loads((tmp_path / "ds" / "train_summary.json").read_text())
         assert 0.0 <= summary["heldout_reward_after"] <= 1.0 and (tmp_path / "ds" / "heldout_after.png").exists()

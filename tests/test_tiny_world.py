@@ -13,7 +13,16 @@ from PIL import Image, ImageFilter
 
 from tiny.detector import detect_shapes, score_t2i
 from tiny.shapes import PALETTE, make_shapes_vqa, render_objects, save_shapes_vqa, shapes_vqa_rows
-from tiny.t2i import make_t2i_prompts, planner_rows, relative_position, render_t2i, scene_plan, write_jsonl
+from tiny.t2i import (
+    make_t2i_prompts,
+    plan_matches_request,
+    plan_objects,
+    planner_rows,
+    relative_position,
+    render_t2i,
+    scene_plan,
+    write_jsonl,
+)
 
 # ---------------------------------------------------------------------------- independent pixel reader
 
@@ -402,6 +411,29 @@ def test_scene_plan_names_what_the_render_draws_and_where():
         assert set(plan.split(", ")) == detected, (row["prompt"], plan, detected)
     assert scene_plan(rows[0], seed=0) != scene_plan(rows[0], seed=1) or scene_plan(rows[0], seed=2) != scene_plan(
         rows[0], seed=0)  # layouts and unasked colours vary by seed
+
+
+@pytest.mark.parametrize("plan, ok", [
+    ("red circle top left", True),
+    ("red circle top left, red circle middle center", False),  # one more than asked
+    ("blue circle top left", False),  # the asked colour is red
+    ("red square top left", False),  # the wrong class
+    ("red circle top left, a cloud", False),  # an unreadable part
+    ("", False),
+])
+def test_plan_matches_request_counts_classes_and_asked_colours(plan, ok):
+    row = {"include": [{"class": "circle", "count": 1, "color": "red"}], "exclude": [], "prompt": "a red circle"}
+    assert plan_matches_request(plan, row) is ok
+
+
+def test_every_scene_plan_matches_its_request_and_another_rows_mostly_does_not():
+    rows = make_t2i_prompts(60, seed=3)
+    assert all(plan_matches_request(scene_plan(r, image_size=32, seed=i), r) for i, r in enumerate(rows))
+    others = [plan_matches_request(scene_plan(rows[(i + 1) % 60], image_size=32, seed=i), r)
+              for i, r in enumerate(rows)]
+    assert sum(others) < 10
+    assert plan_objects("green triangle top left, blue square bottom right") == [("green", "triangle"),
+                                                                                  ("blue", "square")]
 
 
 def test_planner_rows_answer_the_template_with_a_think_block():

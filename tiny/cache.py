@@ -227,7 +227,9 @@ def tiny_generator_path(**overrides):
     from tiny.generator import TinyGeneratorConfig
 
     cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
-    spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder)}
+    # which text states condition it: the template's system prompt dropped as counted by the tokenizer
+    # (utils.flow_adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
+    spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder), "template_drop": "tokenizer"}
     if cfg.text_encoder in TINY_MODELS:  # build the VLM here, so the child only reads the cache
         TINY_MODELS[cfg.text_encoder]()
 

@@ -178,6 +178,31 @@ def scene_plan(meta, *, image_size: int = 64, seed: int = 0) -> str:
     return ", ".join(parts)
 
 
+def plan_objects(plan: str) -> list[tuple[str, str]]:
+    """The (colour, shape) of each object a scene plan names ("red circle top left, blue square ..."), in order;
+    a part that does not start with a palette colour and a shape is left out."""
+    found = []
+    for part in plan.split(","):
+        words = part.split()
+        if len(words) >= 2 and words[0] in PALETTE and words[1] in SHAPES:
+            found.append((words[0], words[1]))
+    return found
+
+
+def plan_matches_request(plan: str, meta) -> bool:
+    """Whether a scene plan names exactly the objects a row asks for: every include item's count of its class, in
+    its colour where the row gives one, and nothing else (cells and relations are not checked)."""
+    meta = _meta(meta)
+    objects, parts = plan_objects(plan), [p for p in plan.split(",") if p.strip()]
+    if len(objects) != len(parts):
+        return False
+    for item in meta["include"]:
+        mine = [color for color, shape in objects if shape == item["class"]]
+        if len(mine) != int(item["count"]) or (item.get("color") and any(c != item["color"] for c in mine)):
+            return False
+    return len(objects) == sum(int(item["count"]) for item in meta["include"])
+
+
 def planner_rows(rows, prompt_template: str, image_size: int = 64) -> list[dict]:
     """sharegpt rows teaching a VLM to plan the scene: the user asks `prompt_template.format(prompt=...)`, the
     assistant answers `<think>{scene plan of the render of row i}</think>` (render seed i)."""

@@ -58,6 +58,16 @@ def _schedule(scheduler, num_steps, device, sigmas, mu=None):
 # --------------------------------------------------------------------------------------------------
 
 
+def template_prefix_length(pipe) -> int:
+    """How many tokens of a Qwen-Image pipeline's prompt template come before the prompt, counted with its own
+    tokenizer: the hidden states the pipeline drops (the system prompt). diffusers keeps that count as a constant
+    measured with Qwen2.5-VL's tokenizer (34 for text-to-image, 64 for edit), which this count reproduces there;
+    with another tokenizer (the tiny world's BPE splits the system prompt into ~108 tokens) the constant would keep
+    part of the system prompt in every encoding, or cut the start of the prompt."""
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    return len(pipe.tokenizer(prefix)["input_ids"])
+
+
 class QwenImageGenerator(FlowGenerator):
     """QwenImagePipeline for text-to-image, QwenImageEditPipeline (same modules) when `images` are given.
 
@@ -66,6 +76,7 @@ class QwenImageGenerator(FlowGenerator):
     deep-copied and frozen once, copy_text_encoder=None deciding so), so RL on the text does not move the image
     model's input. conditioning="policy": the VLM as it is, with grad when enabled (the image loss trains it).
     edit_area: the pixel area the edit pipeline resizes the input image to (its constant 1024 * 1024).
+    Both pipelines drop the template's system prompt as counted by their tokenizer (`template_prefix_length`).
     """
 
     pipeline_class = QwenImagePipeline
@@ -89,6 +100,9 @@ class QwenImageGenerator(FlowGenerator):
                      transformer=pipe.transformer)
         self.t2i = QwenImagePipeline(**parts)
         self.edit = QwenImageEditPipeline(**parts, processor=processor) if processor is not None else None
+        for p in (self.t2i, self.edit):
+            if p is not None:
+                p.prompt_template_encode_start_idx = template_prefix_length(p)
         self.pipe, self.vae, self.scheduler, self.transformer = self.t2i, pipe.vae, pipe.scheduler, pipe.transformer
         self.denoiser = self.transformer
         self.vae.requires_grad_(False)
