@@ -181,13 +181,10 @@ def main():
         images = sample_images(gen, other, size=cfg.image_size, num_steps=args.num_steps,
                                guidance_scale=args.guidance_scale[0], shift=args.shift)
         tables[f"another row's plan, CFG {args.guidance_scale[0]:g}"] = score_images(images, rows)["table"]
-    if cfg.plan:
-        sensitivity = plan_sensitivity(gen, cfg.image_size)
+    sensitivity = plan_sensitivity(gen, cfg.image_size) if cfg.plan else None
+    if sensitivity:
         print(f"mean |velocity change| at sigma {sensitivity['sigmas']} when one plan word changes: "
               + "; ".join(f"{k} {v}" for k, v in sensitivity.items() if k != "sigmas"))
-        tables_extra = {"plan_sensitivity": sensitivity}
-    else:
-        tables_extra = {}
     if args.planner:
         plans = planner_plans(args.planner, rows)
         right = sum(plan_matches_request(p, r) for p, r in zip(plans, rows))
@@ -201,8 +198,8 @@ def main():
     print(markdown_table(tables))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"path": args.path, "args": vars(args), "tables": tables, "build": summary, **tables_extra}, f,
-                      indent=2)
+            json.dump({"path": args.path, "args": vars(args), "tables": tables, "build": summary,
+                       "plan_sensitivity": sensitivity}, f, indent=2)
     if args.grid:
         by_tag = {}
         for i, row in enumerate(rows):
