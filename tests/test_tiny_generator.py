@@ -163,7 +163,7 @@ def test_flow_matching_pretraining_lowers_loss(vlm_dir):
 
 @pytest.mark.build
 def test_default_generator_vae_roundtrip_keeps_score_and_leaves_headroom():
-    """The cached default build (pre-trained once, about 5 CPU minutes): its VAE reconstructs held-out renders
+    """The cached default build (pre-trained once, about 10 CPU minutes): its VAE reconstructs held-out renders
     as the scorer sees them, and its ODE samples score well above an untrained model and below 1."""
     from tiny.generator import evaluate_generator
     from utils.flow_adapters import QwenImageGenerator
