@@ -93,13 +93,14 @@ PLAN_EDITS = {  # one word of a plan changed: what the generator should draw dif
 def plan_sensitivity(gen, size, sigmas=(0.95, 0.8, 0.6), seeds=8):
     """Mean |velocity change| when one word of the plan changes (colour, shape, cell), from the same noisy latents
     (`seeds` noises at each sigma): which parts of the text the generator reads."""
+    noise = torch.cat([gen.prepare_latents(1, size, size, torch.Generator().manual_seed(i)) for i in range(seeds)])
+    noise = noise.repeat(2, 1, 1)  # the same latents under both texts
     out = {}
     for name, (a, b) in PLAN_EDITS.items():
         cond = gen.encode_condition([a] * seeds + [b] * seeds, height=size, width=size, negative_prompt=None)
-        noise = torch.cat([gen.prepare_latents(1, size, size, torch.Generator().manual_seed(i)) for i in range(seeds)])
         out[name] = []
         for sigma in sigmas:
-            v = gen.velocity(noise.repeat(2, 1, 1), torch.full((2 * seeds,), sigma * 1000.0), cond)
+            v = gen.velocity(noise, torch.full((2 * seeds,), sigma * 1000.0), cond)
             out[name].append(round(float((v[:seeds] - v[seeds:]).abs().mean()), 4))
     return {"sigmas": list(sigmas), **out}
 
