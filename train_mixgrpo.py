@@ -70,15 +70,16 @@ REASON_PROMPT = ("Think about how to draw the image below inside <think> </think
 class MixGRPOConfig:
     # models
     model_name_or_path: str = field(default=TINY, metadata={
-        "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, the VLM the tiny generator reads"})
+        "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws"})
     generator_name_or_path: str = field(default=TINY, metadata={
         "help": "Qwen-Image pipeline folder or hub name; 'tiny': the pre-trained tiny Qwen-Image (tiny/generator.py)"})
     edit_generator_name_or_path: Optional[str] = field(default=None, metadata={
         "help": "the refine stage's generator (Qwen-Image-Edit folder or hub name), with its own LoRA; none: the "
                 "reason stage's generator refines too"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
-    conditioning: str = choice("base", "policy", help="the image model reads the VLM's base weights (no grad) or "
-                                                      "the policy as it trains")
+    conditioning: str = choice("base", "policy", "generator",
+                               help="the image model reads the VLM's base weights (no grad), the policy as it trains, "
+                                    "or its pipeline's own frozen text encoder (a VLM other than the policy)")
     attn_implementation: Optional[str] = None  # VLM attention: sdpa, eager, flash_attention_2; none: the default
     freeze_vision_tower: bool = False  # freeze the VLM's vision encoder
     gradient_checkpointing: bool = False  # recompute activations of both parts in backward
@@ -238,6 +239,10 @@ def resolve_tiny(cfg, accelerator):
     from tiny.cache import TINY_PLANNER_MODEL, resolve_tiny_name, tiny_generator_path
     from tiny.t2i import make_t2i_prompts, write_jsonl
 
+    if cfg.generator_name_or_path == TINY and cfg.conditioning != "generator":
+        # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
+        raise ConfigError(f"--generator_name_or_path tiny reads its own text encoder (the untrained tiny VLM): "
+                          f"use --conditioning generator, not {cfg.conditioning}")
     with accelerator.main_process_first():
         gen = tiny_generator_path() if cfg.generator_name_or_path == TINY else cfg.generator_name_or_path
         vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY else cfg.model_name_or_path)
@@ -530,20 +535,36 @@ def build_policy(cfg, vlm_path, gen_path, device):
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
     model = prepare_for_training(model, cfg)
-    gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device,
-                                     hidden=hf_core(model).config.get_text_config().hidden_size,
-                                     components={"text_encoder": hf_core(model), "tokenizer": processor.tokenizer,
-                                                 "processor": processor})
+    if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
+        gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device, hidden=None,
+                                         components=own_processor(gen_path))
+    else:
+        gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device,
+                                         hidden=hf_core(model).config.get_text_config().hidden_size,
+                                         components={"text_encoder": hf_core(model), "tokenizer": processor.tokenizer,
+                                                     "processor": processor})
     return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
 
 
+def own_processor(path):
+    """{"processor": the processor saved beside a generator folder's own text encoder} (what its edit path shows
+    the image with), or {} where there is none (a hub folder: an edit pipeline then loads its own)."""
+    folder = os.path.join(path, "processor")
+    if not os.path.isdir(folder):
+        return {}
+    from transformers import AutoProcessor
+
+    return {"processor": AutoProcessor.from_pretrained(folder)}
+
+
 def load_generator(cfg, path, flag, device, *, hidden, **options):
-    """A generator from `path` (--`flag`) that reads `hidden`-dim text states, made trainable (`train_generator`),
-    with the settings both stages share. Returns (generator, its trainable parameters)."""
+    """A generator from `path` (--`flag`) that reads `hidden`-dim text states (None: its own text encoder), made
+    trainable (`train_generator`), with the settings both stages share. Returns (generator, trainable parameters)."""
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    gen = load_flow_generator(path, dtype=dtype, device=device, conditioning=cfg.conditioning, **options)
+    conditioning = "base" if cfg.conditioning == "generator" else cfg.conditioning  # its own encoder is frozen
+    gen = load_flow_generator(path, dtype=dtype, device=device, conditioning=conditioning, **options)
     joint = gen.transformer.config.joint_attention_dim
-    if joint != hidden:
+    if hidden is not None and joint != hidden:
         raise InputError(f"--{flag} reads {joint}-dim text states but the VLM's hidden size is {hidden}")
     params = train_generator(cfg, gen)
     if cfg.gradient_checkpointing:
@@ -606,7 +627,7 @@ def build_edit_generator(cfg, edit_path, gen, device):
                           hidden=gen.transformer.config.joint_attention_dim,
                           copy_text_encoder=False,  # gen's text encoder is already the right one
                           components={"text_encoder": gen.text_encoder, "tokenizer": gen.t2i.tokenizer,
-                                      "processor": gen.edit.processor})
+                                      "processor": gen.edit.processor if gen.edit is not None else None})
 
 
 def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
@@ -907,9 +928,13 @@ def save_generator(accelerator, gen, params, output_dir, name):
 def generator_card(cfg, gen_path, parts):
     """The model card's section on the generators: which pipeline each trained part (a checkpoint subfolder) belongs
     to, and the code that loads it."""
-    reads = "base" if cfg.conditioning == "base" else "trained"
-    lines = ["## The image generators", "", f"The VLM above reasons and reflects; the {reads} weights of a VLM like "
-             "it condition the generators (their pipelines' own text encoder, for `--conditioning base`):", ""]
+    if cfg.conditioning == "generator":
+        reads = "The VLM above reasons and reflects; the generators read its text with their own text encoder:"
+    else:
+        reads = (f"The VLM above reasons and reflects; the {'base' if cfg.conditioning == 'base' else 'trained'} "
+                 "weights of a VLM like it condition the generators (their pipelines' own text encoder, for "
+                 "`--conditioning base`):")
+    lines = ["## The image generators", "", reads, ""]
     code = ["```python", "from diffusers import DiffusionPipeline", ""]
     for name in parts:
         base, var = ((cfg.edit_generator_name_or_path, "edit") if name.startswith("edit_") else (gen_path, "pipe"))

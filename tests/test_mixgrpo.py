@@ -114,6 +114,13 @@ def test_validate_refuses_bad_flags(overrides, world, message):
         tm.validate(MixGRPOConfig(**overrides), world)
 
 
+@pytest.mark.parametrize("conditioning", ["base", "policy"])
+def test_the_tiny_generator_refuses_to_read_the_policys_states(conditioning):
+    # pre-trained on its own encoder's states, before anything is built or loaded
+    with pytest.raises(ValueError, match=f"use --conditioning generator, not {conditioning}"):
+        tm.resolve_tiny(MixGRPOConfig(conditioning=conditioning), accelerator=None)
+
+
 def test_reward_endpoints_rank_mod_n_and_the_geneval_server_is_not_sent_to_v1(monkeypatch):
     # R3 rewrote every reward URL to .../v1; the GenEval server serves "/", the OpenAI-compatible judge /v1.
     urls, ports = "http://127.0.0.1,http://127.0.0.2", "8000,8001"
@@ -399,6 +406,33 @@ def test_tune_flags_put_gradients_on_exactly_their_parameters(tiny, text, image)
     assert all("lora" in n for n, p in gen.transformer.named_parameters() if p.grad is not None)
     for p in text_params + tiny["gen_params"]:
         p.grad = None
+
+
+def test_generator_conditioning_reads_the_pipelines_own_frozen_text_encoder(tiny, tmp_path):
+    """--conditioning generator: a policy VLM other than the generator's text encoder (here 48-dim, against the
+    generator's 32-dim encoder: refused under --conditioning base) writes the text; the pipeline's own frozen text
+    encoder reads it, so the image is conditioned exactly as the plain pipeline conditions it, and RL on the text
+    does not move it."""
+    from tiny.models import make_tiny_vlm
+    from utils.errors import InputError
+    from utils.flow_adapters import QwenImageGenerator
+
+    vlm = make_tiny_vlm(str(tmp_path / "vlm48"), hidden_size=48, num_attention_heads=2, vision_hidden_size=32, seed=3)
+    with pytest.raises(InputError, match="reads 32-dim text states but the VLM's hidden size is 48"):
+        tm.build_policy(tiny["cfg"], vlm, tiny["gen_path"], "cpu")
+    cfg = replace(tiny["cfg"], conditioning="generator")
+    model, processor, policy, gen, gen_params = tm.build_policy(cfg, vlm, tiny["gen_path"], "cpu")
+    assert gen.text_encoder is not tm.hf_core(model) and gen.edit is not None  # the folder's own processor: refine
+    assert not any(p.requires_grad for p in gen.text_encoder.parameters())
+    plain = QwenImageGenerator.from_pretrained(tiny["gen_path"])
+    texts = ["a photo of a red circle\nred circle top left", "a photo of two squares"]
+    got, want = (g.encode_condition(texts, height=32, width=32) for g in (gen, plain))
+    assert torch.equal(got.pos["embeds"], want.pos["embeds"]) and torch.equal(got.neg["embeds"], want.neg["embeds"])
+    # one text step on the policy leaves the conditioning as it was
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    assert torch.equal(gen.encode_condition(texts, height=32, width=32).pos["embeds"], want.pos["embeds"])
 
 
 # ---- end to end: accelerate launch ----
