@@ -536,13 +536,12 @@ def build_policy(cfg, vlm_path, gen_path, device):
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
     model = prepare_for_training(model, cfg)
     if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
-        gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device, hidden=None,
-                                         components=own_processor(gen_path))
+        hidden, components = None, own_processor(gen_path)
     else:
-        gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device,
-                                         hidden=hf_core(model).config.get_text_config().hidden_size,
-                                         components={"text_encoder": hf_core(model), "tokenizer": processor.tokenizer,
-                                                     "processor": processor})
+        hidden = hf_core(model).config.get_text_config().hidden_size
+        components = {"text_encoder": hf_core(model), "tokenizer": processor.tokenizer, "processor": processor}
+    gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device, hidden=hidden,
+                                     components=components)
     return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
 
 
