@@ -175,6 +175,7 @@ class MixGRPOConfig:
     # held-out evaluation: greedy text, ODE image, more steps
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
     eval_num_timesteps: int = 30  # flow steps of the evaluation images
+    eval_images_per_prompt: int = 1  # images per held-out prompt, each from its own noise (GenEval's protocol: 4)
     eval_steps: int = 0  # evaluate every N steps (0: only before and after training)
     eval_before: bool = True  # also evaluate the starting policy
 
@@ -197,6 +198,8 @@ def validate(cfg, num_processes):
         raise ConfigError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
     if len(cfg.cfg_interval) != 2 or not 0 <= cfg.cfg_interval[0] < cfg.cfg_interval[1] <= 1:
         raise ConfigError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
+    if cfg.eval_images_per_prompt < 1:
+        raise ConfigError(f"--eval_images_per_prompt {cfg.eval_images_per_prompt} must be >= 1")
     if not (cfg.tune_text_cot or cfg.tune_image_cot):
         raise ConfigError("--tune_text_cot and --tune_image_cot are both off: nothing to train")
     if cfg.tune_image_cot and not cfg.enable_sde_gen:
@@ -687,6 +690,8 @@ def main(cfg: MixGRPOConfig):
     val_rows = load_prompts(cfg, val_path) if val_path else None
     if val_rows is not None and cfg.eval_samples:
         val_rows = val_rows[: cfg.eval_samples]
+    n_images = cfg.eval_images_per_prompt
+    heldout_images = f"{len(val_rows or [])} prompts" + (f" x {n_images} images" if n_images > 1 else "")
     reward_fn = build_reward(cfg)
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
@@ -757,7 +762,7 @@ def main(cfg: MixGRPOConfig):
     heldout_before = state.get("heldout_before")
     if val_rows is not None and cfg.eval_before and global_step == 0:
         heldout_before = evaluate("before")
-        accelerator.print(f"held-out reward before: {heldout_before['reward']:.4f} ({len(val_rows)} prompts)")
+        accelerator.print(f"held-out reward before: {heldout_before['reward']:.4f} ({heldout_images})")
     train_start = time.perf_counter()
 
     while global_step < cfg.max_steps:
@@ -873,7 +878,7 @@ def main(cfg: MixGRPOConfig):
             extra = "".join(f", {k} {heldout_before[k]:.3f} -> {after[k]:.3f}" for k in ("strict", "detected")
                             if k in after and k in heldout_before)
             accelerator.print(f"held-out reward (reason): before {heldout_before['reward']:.4f} -> after "
-                              f"{after['reward']:.4f} ({len(val_rows)} prompts{extra})")
+                              f"{after['reward']:.4f} ({heldout_images}{extra})")
             if "refine_reward" in after and "refine_reward" in heldout_before:
                 accelerator.print(f"held-out reward (reason + refine): before {heldout_before['refine_reward']:.4f} "
                                   f"-> after {after['refine_reward']:.4f} (kept as drawn: "
@@ -982,18 +987,17 @@ def score_heldout(cfg, reward_fn, texts, images, batch_rows):
     return [float(s) for s in scores]
 
 
-def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
+def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_offset=0, **generate):
     """Held-out reflect + refine of the reason images: greedy reflection on each image, then an ODE refine with
-    --eval_num_timesteps from noise seeded by the row; "no further edit needed" keeps the image. Returns
-    (reflections, refined images, no-edit flags)."""
+    --eval_num_timesteps from noise seeded by the row (+ `noise_offset`: another image of the row); "no further
+    edit needed" keeps the image. Returns (reflections, refined images, no-edit flags)."""
     messages = [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in batch_rows]
     texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
                          accelerator=accelerator, **generate)
     parsed = [reflection_of(t) for t in texts]
     cond = image_condition(cfg, gen, batch_rows, [instruction for _, instruction, _ in parsed], images)
-    noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size,
-                                           torch.Generator(device=accelerator.device).manual_seed(cfg.seed + 7919 + i))
-                       for i in idx])
+    noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
+        device=accelerator.device).manual_seed(cfg.seed + 7919 + i + noise_offset)) for i in idx])
     out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
                  guidance=edit_guidance(cfg), shift=cfg.timestep_shift,
                  latents=noise, output_type="pil")
@@ -1004,10 +1008,11 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, **generate):
 @torch.no_grad()
 def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
                     grid_path, edit_gen=None):
-    """Held-out reason stage: greedy reasoning, ODE image with --eval_num_timesteps from noise seeded by the row,
-    scored by --reward_fn; rows are shared out over the processes. Writes a grid PNG. Returns mean reward/format.
-    With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward` (the refined image's score),
-    `refine_no_edit` (the share kept as drawn) and a second grid (`*_refine.png`)."""
+    """Held-out reason stage: greedy reasoning, ODE images with --eval_num_timesteps, --eval_images_per_prompt per
+    row, each from its own noise (row i's image j from seed + i + j x rows), scored by --reward_fn; rows are shared
+    out over the processes. Writes a grid PNG of the first 64 images (rows first). Returns the means over all
+    images of reward and format. With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward`
+    (the refined image's score), `refine_no_edit` (the share kept as drawn) and a second grid (`*_refine.png`)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(rows), world))
     results = []
@@ -1022,26 +1027,27 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                              [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator, **generate)
         parsed = [reasoning_of(t) for t in texts]
         cond = image_condition(cfg, gen, batch_rows, [reasoning for _, reasoning in parsed])
-        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size,
-                                               torch.Generator(device=accelerator.device).manual_seed(cfg.seed + i))
-                           for i in idx])
-        out = sample(gen, cond, num_steps=cfg.eval_num_timesteps, guidance=Guidance(cfg.cfg_scale_gen,
-                                                                                     interval=tuple(cfg.cfg_interval)),
-                     shift=cfg.timestep_shift, latents=noise, output_type="pil")
-        scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
-        details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
-        refined = [None] * len(idx)
-        if cfg.reflect_refine:
-            reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, edit_gen or gen,
-                                                          accelerator, **generate)
-            new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
-            refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
-                       for s, k, im in zip(new_scores, no_edit, images)]
-            if shapes:
-                for d, r, im in zip(details, batch_rows, images):
-                    d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
-        results += [(i, s, f, im, d, ref) for i, s, (f, _), im, d, ref in zip(idx, scores, parsed, out.images,
-                                                                              details, refined)]
+        for copy in range(cfg.eval_images_per_prompt):  # one greedy reasoning per row, several images of it
+            offset = copy * len(rows)
+            noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
+                device=accelerator.device).manual_seed(cfg.seed + i + offset)) for i in idx])
+            out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
+                         guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+                         shift=cfg.timestep_shift, latents=noise, output_type="pil")
+            scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
+            details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
+            refined = [None] * len(idx)
+            if cfg.reflect_refine:
+                reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, edit_gen or gen,
+                                                              accelerator, noise_offset=offset, **generate)
+                new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+                refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
+                           for s, k, im in zip(new_scores, no_edit, images)]
+                if shapes:
+                    for d, r, im in zip(details, batch_rows, images):
+                        d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
+            results += [(i + offset, s, f, im, d, ref) for i, s, (f, _), im, d, ref in zip(
+                idx, scores, parsed, out.images, details, refined)]
     policy.train(was_training)
     # every process's rows, the grid's first 64 images included (PIL images pickle; the rest go without theirs)
     mine_rows = [(i, s, f, {**d, **{k: v for k, v in (ref or {}).items() if k != "image"}},

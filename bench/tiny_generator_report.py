@@ -11,7 +11,8 @@ untrained transformer (the same pipeline with freshly initialised transformer we
 scene plans, each row's prompt with another row's plan (how much the plan is followed) and how much the velocity
 moves when one word of a plan changes (its colour, shape or cell: which of them the generator reads); with
 `--planner` also the plans a planner VLM writes greedily for train_mixgrpo's reason prompt (what the policy starts
-from; it prints the share of those plans that name exactly the requested objects, tiny.t2i.plan_matches_request).
+from; it prints the share of those plans that name exactly the requested objects, tiny.t2i.plan_matches_request,
+and how often the planner's first object is the shape the prompt names: chance when it does not read the prompt).
 The grid (first scale) shows, per row, the prompt, its ground-truth render and `grid_samples` samples of seeds 0,
 1, ...; from those samples it also prints how much the prompt changes an image compared with how much the noise
 seed does.
@@ -39,6 +40,8 @@ from tiny.generator import (  # noqa: E402
     to_uint8,
     vae_roundtrip,
 )
+from tiny.planner import load_planner, planner_plans, shape_reading  # noqa: E402
+from tiny.shapes import SHAPES  # noqa: E402
 from tiny.t2i import plan_matches_request  # noqa: E402
 
 
@@ -105,32 +108,6 @@ def plan_sensitivity(gen, size, sigmas=(0.95, 0.8, 0.6), seeds=8):
     return {"sigmas": list(sigmas), **out}
 
 
-@torch.no_grad()
-def planner_plans(name, rows, max_new_tokens=64, batch=32):
-    """The reasoning a planner VLM writes greedily for each row under train_mixgrpo's reason prompt."""
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from tiny.cache import resolve_tiny_name
-    from train_mixgrpo import REASON_PROMPT, reasoning_of, user_message
-    from utils.rollout import encode_prompts, generate_completions, stop_token_ids
-
-    path = resolve_tiny_name(name)
-    processor = AutoProcessor.from_pretrained(path)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    tok = processor.tokenizer
-    stops, plans = stop_token_ids(model, tok), []
-    for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
-        enc = encode_prompts(processor, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in chunk],
-                             [[] for _ in chunk], sample_ids=[r["prompt"] for r in chunk])
-        ids, mask = generate_completions(model, enc, row_seeds=torch.arange(len(chunk)), temperature=0.0,
-                                         max_new_tokens=max_new_tokens, eos_token_id=stops,
-                                         pad_token_id=tok.pad_token_id)
-        texts = tok.batch_decode(ids.masked_fill(mask == 0, tok.pad_token_id), skip_special_tokens=True)
-        plans += [reasoning_of(t)[1] for t in texts]
-    return plans
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", default=None, help="generator folder (default: tiny.cache.tiny_generator_path())")
@@ -187,9 +164,12 @@ def main():
         print(f"mean |velocity change| at sigma {sensitivity['sigmas']} when one plan word changes: "
               + "; ".join(f"{k} {v}" for k, v in sensitivity.items() if k != "sigmas"))
     if args.planner:
-        plans = planner_plans(args.planner, rows)
+        planner, processor = load_planner(args.planner)
+        plans = planner_plans(planner, processor, rows)
         right = sum(plan_matches_request(p, r) for p, r in zip(plans, rows))
-        print(f"{args.planner}: {right} of {len(rows)} greedy plans name exactly the requested objects")
+        print(f"{args.planner}: {right} of {len(rows)} greedy plans name exactly the requested objects; "
+              f"P(its first object is the shape the prompt names) = {shape_reading(planner, processor):.3f} "
+              f"(chance {1 / len(SHAPES):.3f})")
         images = sample_images(gen, [f"{r['prompt']}\n{p}" for r, p in zip(rows, plans)], size=cfg.image_size,
                                num_steps=args.num_steps, guidance_scale=args.guidance_scale[0], shift=args.shift)
         tables[f"planner's plan, CFG {args.guidance_scale[0]:g}"] = score_images(images, rows)["table"]

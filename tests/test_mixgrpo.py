@@ -573,6 +573,26 @@ def test_heldout_evaluation_reports_the_shapes_scorers_view(tiny, tmp_path):
     assert 0.0 <= result["strict"] <= result["reward"] + 1e-9 <= 1.0 + 1e-9
 
 
+def test_heldout_images_per_prompt_each_draw_new_noise(tiny, tmp_path):
+    """--eval_images_per_prompt N: row i's image j comes from seed + i + j x rows, so N images per row average
+    exactly the N one-image evaluations at seed, seed + rows, seed + 2 rows, and draws their images."""
+    cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i", reflect_refine=False,
+                  reward_kwargs={"key": "score", "behaviour": "tiny"})
+    n = len(tiny["rows"])
+    singles = [evaluate(tiny, replace(cfg, seed=cfg.seed + j * n), str(tmp_path / f"one{j}.png")) for j in range(3)]
+    three = evaluate(tiny, replace(cfg, eval_images_per_prompt=3), str(tmp_path / "three.png"))
+    assert three["samples"] == 3 * n and all(r["samples"] == n for r in singles)
+    for key in ("reward", "strict", "detected", "requested"):
+        assert three[key] == pytest.approx(sum(r[key] for r in singles) / 3, abs=1e-9), key
+    grids = [Image.open(tmp_path / f"one{j}.png") for j in range(3)]
+    w, h = grids[0].size
+    with Image.open(tmp_path / "three.png") as b:  # 3 x n images, rows first: the three one-image grids side by side
+        assert b.size == (3 * w, h)
+        for j, single in enumerate(grids):
+            assert b.crop((j * w, 0, (j + 1) * w, h)).tobytes() == single.tobytes(), j
+    assert grids[0].tobytes() != grids[1].tobytes()  # each image from new noise
+
+
 def evaluate(tiny, cfg, grid):
     return tm.evaluate_reason(cfg, tiny["rows"], policy=tiny["policy"], processor=tiny["processor"], gen=tiny["gen"],
                               accelerator=tiny["accelerator"], stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],

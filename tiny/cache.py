@@ -17,7 +17,7 @@ TINY_MODEL = "tiny"
 TINY_SFT_MODEL = "tiny-sft"  # the tiny VLM after train_sft.py's tiny recipe: the warm start of tiny GRPO
 TINY_BASE_MODEL = "tiny-base"  # the tiny VLM pre-trained to describe scenes: the cycle's base and captioner
 TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason over scene descriptions
-TINY_PLANNER_MODEL = "tiny-planner"  # tiny-sft taught to write scene plans for a prompt: the Mix-GRPO warm start
+TINY_PLANNER_MODEL = "tiny-planner"  # a word-level tiny VLM taught to write scene plans: the Mix-GRPO warm start
 TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-planner
 TINY_DATASET = "synthetic:shapes"
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
@@ -35,6 +35,10 @@ SHAPES_KINDS = ["count", "count_color"]
 SHAPES_SPLITS = {"train": dict(n=4000, seed=0, kinds=SHAPES_KINDS), "test": dict(n=256, seed=1, kinds=SHAPES_KINDS)}
 TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, vision_depth=2, image_size=84, seed=0)
 TINY_LLM = dict(hidden_size=128, num_hidden_layers=2, seed=0)
+# The planner's base: the tiny VLM with every merge its tokenizer corpus has (~530 tokens; 1024 is more than there
+# are), so each word of a plan is one token. On the 384-token vocabulary the planner never learns to read the
+# prompt (docs/results/2026-12-02-tiny-planner-reads.md).
+TINY_PLANNER_VLM = dict(TINY_VLM, vocab_size=1024)
 
 
 def _key(spec):
@@ -175,13 +179,14 @@ def tiny_reasoner_path():
 
 
 def tiny_planner_path():
-    """The tiny Mix-GRPO policy's warm start: tiny-sft taught to answer train_mixgrpo's reason prompt with
-    `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is trained on (tiny.t2i.scene_plan:
-    the objects with a colour and a grid cell each), so its reasoning is what the generator learned to read."""
+    """The tiny Mix-GRPO policy's warm start: a fresh word-level tiny VLM (TINY_PLANNER_VLM) taught to answer
+    train_mixgrpo's reason prompt with `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is
+    trained on (tiny.t2i.scene_plan: the objects with a colour and a grid cell each)."""
     from tiny import t2i
+    from tiny.models import make_tiny_vlm
     from train_mixgrpo import REASON_PROMPT
 
-    spec = {"model": _tiny_sft_spec(), "rows": PLANNER_ROWS,
+    spec = {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS,
             "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}
 
     def build(out):
@@ -189,7 +194,8 @@ def tiny_planner_path():
         save_sharegpt(t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"]), out)
 
     data = _cached("plans", spec, build)
-    return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", tiny_sft_path(),
+    base = _cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
+    return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", base,
                                                                  "--dataset_name", data])
 
 
