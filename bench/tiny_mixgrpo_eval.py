@@ -42,13 +42,13 @@ def evaluate_seeds(cfg, rows, vlm_path, gen_path, seeds, checkpoint=None):
     mix.eval()
     stop_ids = tm.stop_token_ids(model, processor.tokenizer)
     suppress_ids = tm.special_token_ids_to_suppress(processor.tokenizer, stop_ids)
-    out = {}
+    reward_fn, out = tm.build_reward(cfg), {}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         for seed in seeds:
             cfg.seed = seed  # evaluate_reason seeds row i's noise with cfg.seed + i
             out[seed] = tm.evaluate_reason(cfg, rows, policy=policy, processor=processor, gen=gen,
                                            accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
-                                           reward_fn=tm.build_reward(cfg), grid_path=os.path.join(tmp, "grid.png"))
+                                           reward_fn=reward_fn, grid_path=os.path.join(tmp, "grid.png"))
     return out
 
 
