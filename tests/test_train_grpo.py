@@ -269,7 +269,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(assets, uninterrupted, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [{}, DYNAMIC], ids=["plain", "dynamic_sampling"])
+@pytest.mark.parametrize("variant", [{}, pytest.param(DYNAMIC, marks=pytest.mark.full)],
+                         ids=["plain", "dynamic_sampling"])
 def test_resume_from_a_checkpoint_matches_uninterrupted_run_bit_for_bit(assets, uninterrupted, tmp_path, variant):
     # In this process: rebuild everything from checkpoint-2 (weights, optimizer, scheduler, sampler position,
     # dynamic sampling's state), train steps 3-6, and compare with the uninterrupted run exactly.
