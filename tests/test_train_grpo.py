@@ -101,6 +101,7 @@ def test_loss_variants_train(assets, tmp_path, variant):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("family", ["internvl", "glm4v", "text"])
 def test_other_model_families(assets, tmp_path, family):
     if family == "text":
