@@ -4,6 +4,7 @@ checkpoint. Every launch gets its own session, so a SIGKILL reaches the launcher
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,15 @@ def launch(script, args, num_processes=1, config=None, env=None):
     else:
         how = ["--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
                "--num_processes", str(num_processes)]
+    if num_processes > 1:  # a free rendezvous port: two test sessions on one machine must not share 29500
+        how += ["--main_process_port", str(free_port())]
     return _popen([ACCELERATE, "launch", *how, "--mixed_precision", "no", os.path.join(REPO, script), *args], env)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def launch_python(script, args, env=None):
