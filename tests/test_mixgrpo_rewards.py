@@ -95,6 +95,7 @@ def free_port():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a `transformers serve` of its own; the GenEval server test above keeps the reward path fast
 def test_vlm_judge_served_by_transformers_serve_scores_both_stages(assets, tmp_path):
     """The GenEval++ judge is the tiny VLM behind `transformers serve` (transformers' own OpenAI-compatible
     server): every reason and refine image goes to /v1/chat/completions and its reply becomes the score."""
