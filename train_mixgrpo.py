@@ -13,6 +13,7 @@ steps' log-probs + the image KL) get their own advantages and weights. The VLM a
 """
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -38,7 +39,7 @@ from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
-from utils.models import load_model_and_processor, prepare_for_training
+from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.rollout import (
     completion_seeds,
@@ -58,8 +59,14 @@ TINY = "tiny"
 TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
 DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif")
 REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
-THINK_RE = re.compile(r"^\s*<think>(.*?\S.*?)</think>", re.S)
+# R3's format rules: the reasoning is the whole output, `<think>..</think>`; a reflection is `<think>..</think>` then
+# a non-empty edit instruction; neither holds another think tag
+_NO_TAG = r"(?:(?!<think>|</think>).)"
+REASON_FORMAT = re.compile(rf"<think>({_NO_TAG}*?)</think>", re.S)
+REFLECT_FORMAT = re.compile(rf"<think>{_NO_TAG}*?</think>{_NO_TAG}+", re.S)
+LEADING_THINK = re.compile(r"<think>(.*?)</think>", re.S)
 NO_EDIT = "no further edit needed"
+NO_EDIT_MATCH = "no further edit"  # what R3 looks for in the instruction
 REFLECT_PROMPT = ("This image was drawn for: {prompt}\nThink inside <think> </think> about whether it shows exactly "
                   f"that. Then write one edit instruction that fixes it, or write \"{NO_EDIT}\".")
 REASON_PROMPT = ("Think about how to draw the image below inside <think> </think>: which objects, how many, "
@@ -86,7 +93,10 @@ class MixGRPOConfig:
     use_peft: bool = False  # LoRA on the VLM (its reference is then the VLM with adapters off)
     lora_r: int = 16  # VLM LoRA rank
     lora_alpha: int = 32  # VLM LoRA alpha
-    lora_dropout: float = 0.05  # VLM LoRA dropout
+    lora_dropout: float = 0.05  # VLM LoRA dropout (0 while --disable_dropout)
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "every dropout rate of the VLM 0 (LoRA's too), so the text's log-probs agree between rollout (eval "
+                "mode) and loss (train mode) and the ratio is 1 on a first pass; as train_grpo.py"})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # VLM modules LoRA wraps
     generator_lora_r: int = 16  # generator LoRA rank (reference: adapters off); 0: full fine-tuning (a frozen copy)
     generator_lora_alpha: Optional[int] = None  # generator LoRA alpha; none: the rank
@@ -285,9 +295,12 @@ def build_reward(cfg):
 
 
 def reasoning_of(text):
-    """(format 0/1, the reasoning inside <think>..</think>, or the whole text when it is malformed)."""
-    match = THINK_RE.match(text)
-    return (1.0, match.group(1).strip()) if match else (0.0, text.strip())
+    """(format 0/1, what the image is drawn from). Format 1 when the whole output is `<think>..</think>` (R3);
+    the image reads the leading think block's reasoning, or the whole text when there is none."""
+    text = text.strip()
+    fmt = 1.0 if REASON_FORMAT.fullmatch(text) else 0.0
+    match = LEADING_THINK.match(text)
+    return fmt, (match.group(1).strip() if match else text)
 
 
 def reason_rewards(scores, formats, format_weight):
@@ -297,13 +310,16 @@ def reason_rewards(scores, formats, format_weight):
 
 
 def reflection_of(text):
-    """(format 0/1: non-empty text after </think>, the edit instruction, whether it says no further edit is needed).
-    Without a well-formed reflection the whole text is the instruction and the image is refined."""
-    _, closed, tail = text.partition("</think>")
+    """(format 0/1, the edit instruction, whether the image is kept). Format 1 for `<think>..</think>` then a
+    non-empty instruction (R3). The instruction is the text after the last </think>; without one (no </think>, or
+    nothing after it) or when it says "no further edit", there is no edit and the image is kept, as in R3."""
+    text = text.strip()
+    fmt = 1.0 if REFLECT_FORMAT.fullmatch(text) else 0.0
+    _, closed, tail = text.rpartition("</think>")
     instruction = tail.strip()
     if not (closed and instruction):
-        return 0.0, text.strip(), False
-    return 1.0, instruction, NO_EDIT in instruction.lower()
+        return fmt, NO_EDIT, True
+    return fmt, instruction, NO_EDIT_MATCH in instruction.lower()
 
 
 def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
@@ -324,9 +340,15 @@ def group_advantages(rewards, group_size, scale=False):
     return adv.reshape(-1)
 
 
+SEED_STREAMS = 8  # text, initial noise, SDE step pick, SDE noise, buffer draw; room for more
+
+
 def seeds_for(seed, stream, step, indices):
-    """Counter-based int64 seeds per (run seed, stream, step, index): the same on any number of processes."""
-    return completion_seeds(seed * 4 + stream, step, indices)
+    """Counter-based int64 seeds per (run seed, stream, step, index): the same on any number of processes. Each
+    (seed, stream) pair has its own base, so no stream of one run seed is a stream of another."""
+    if not 0 <= stream < SEED_STREAMS:
+        raise ValueError(f"seed stream {stream} outside [0, {SEED_STREAMS})")
+    return completion_seeds(seed * SEED_STREAMS + stream, step, indices)
 
 
 def torch_generators(seeds, device):
@@ -538,6 +560,8 @@ def build_policy(cfg, vlm_path, gen_path, device):
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
     model = prepare_for_training(model, cfg)
+    if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
+        disable_dropout(model)
     if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
         hidden, components = None, own_processor(gen_path)
     else:
@@ -634,7 +658,7 @@ def build_edit_generator(cfg, edit_path, gen, device):
 
 def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
     """ce_weight * (token clipped surrogate / the step's text tokens + kl_weight_text * k3)
-    + mse_weight * (clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL).
+    + mse_weight * clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL.
     With a window of W SDE steps per image each step is one term with its image's advantage, and the image part is
     their mean (n_images x W terms). Normalisers span all processes (DDP averages the gradients, hence the world
     factor). `model`: the (prepared) MixGRPOModel, called once for both parts. Returns (loss, stats)."""
@@ -661,8 +685,9 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
                                             epsilon_low=cfg.clip_range_image, loss_type="dapo",
                                             num_items_in_batch=n, num_processes=world)
         kl = (image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)) * ones[:, 0]
-        image_loss = surrogate + cfg.kl_weight_image * kl.sum() / (n / world)
-        loss = loss + cfg.mse_weight * image_loss
+        # R3: mse_weight scales the surrogate only; the KL has its own weight
+        image_loss = cfg.mse_weight * surrogate + cfg.kl_weight_image * kl.sum() / (n / world)
+        loss = loss + image_loss
         stats.update(loss_image=image_loss.detach(), kl_image=kl.detach().sum() / ones.sum().clamp(min=1),
                      clip_ratio_image=st["clip_ratio"], ratio_max_dev_image=st["ratio_max_dev"])
     return loss, stats
@@ -737,8 +762,7 @@ def main(cfg: MixGRPOConfig):
     if resume_path:
         state = load_checkpoint(accelerator, resume_path)
         global_step = state["global_step"]
-        if os.path.isfile(os.path.join(resume_path, "reflect_buffer", "buffer.pt")):  # the next step reflects on it
-            buffer = torch.load(os.path.join(resume_path, "reflect_buffer", "buffer.pt"), weights_only=False)
+        buffer = load_buffer(os.path.join(resume_path, "reflect_buffer"))  # the next step reflects on it
         accelerator.print(f"resumed from {resume_path} at step {global_step}")
     sampler = SeededSampler(len(train_rows), seed=cfg.seed)
     if state:
@@ -954,11 +978,49 @@ def generator_card(cfg, gen_path, parts):
     return "\n".join(lines + [""] + code + ["```"])
 
 
+BUFFER_POOLS = ("perfect", "imperfect")
+
+
 def save_buffer(buffer, folder):
-    """The reflect buffer (metadata, score, PIL image per entry), so that a run resumed before a reflect step
-    reflects on the same images."""
+    """The reflect buffer, so that a run resumed before a reflect step reflects on the same images: each entry's
+    id, row and score in buffer.json, its image's RGB pixels (uint8 tensors, lossless) in images.pt. Nothing
+    pickled, so `load_buffer` reads it with weights_only=True: a checkpoint from elsewhere cannot run code."""
+    import numpy as np
+
     os.makedirs(folder, exist_ok=True)
-    torch.save(buffer, os.path.join(folder, "buffer.pt"))
+    meta = {pool: [dict(id=e["id"], row=e["row"], score=e["score"]) for e in buffer[pool]]
+            for pool in BUFFER_POOLS}
+    pixels = {pool: [torch.from_numpy(np.array(e["image"].convert("RGB"))) for e in buffer[pool]]
+              for pool in BUFFER_POOLS}
+    with open(os.path.join(folder, "buffer.json"), "w") as f:
+        json.dump(meta, f)
+    torch.save(pixels, os.path.join(folder, "images.pt"))
+
+
+def load_buffer(folder):
+    """The buffer `save_buffer` wrote, or None when `folder` holds none. Tensors only: a file holding any other
+    object (a pickled buffer of older checkpoints included) is refused with an error naming it."""
+    from PIL import Image
+
+    legacy = os.path.join(folder, "buffer.pt")
+    if os.path.isfile(legacy):
+        raise InputError(f"{legacy}: a pickled reflect buffer, refused (unpickling can run code); delete it to "
+                         "resume with a fresh buffer")
+    meta_path, pixels_path = os.path.join(folder, "buffer.json"), os.path.join(folder, "images.pt")
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        pixels = torch.load(pixels_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refuses any object that is not a tensor or a plain container
+        raise InputError(f"{pixels_path}: not a tensors-only file, refused ({str(exc).splitlines()[0]})") from None
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for pool in BUFFER_POOLS:
+        if not isinstance(pixels.get(pool), list) or len(pixels[pool]) != len(meta.get(pool, [])):
+            raise InputError(f"{pixels_path}: its {pool!r} images do not match {meta_path}'s entries")
+    return {pool: [dict(id=e["id"], row=e["row"], score=e["score"],
+                        image=Image.fromarray(px.numpy()))
+                   for e, px in zip(meta[pool], pixels[pool])] for pool in BUFFER_POOLS}
 
 
 def _trackers(report_to):

@@ -38,8 +38,8 @@ def test_reason_rewards(score, fmt, w, text, image):
 
 @pytest.mark.parametrize("text, fmt, reasoning", [
     ("<think>two red circles on the left</think>", 1.0, "two red circles on the left"),
-    ("  <think>\nplan\n</think> trailing", 1.0, "plan"),
-    ("<think> </think>", 0.0, "<think> </think>"),  # empty reasoning is not well-formed
+    ("  <think>\nplan\n</think> trailing", 0.0, "plan"),  # R3: nothing may follow the reasoning
+    ("<think> </think>", 1.0, ""),  # R3's rule: an empty think block is well-formed
     ("no tags here", 0.0, "no tags here"),
     ("<think>unclosed", 0.0, "<think>unclosed"),
     ("text <think>late</think>", 0.0, "text <think>late</think>"),
@@ -66,8 +66,8 @@ def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
     ("<think>the square is missing</think> add a red square on the left", 1.0,
      "add a red square on the left", False),
     ("<think>all there</think> No further edit needed.", 1.0, "No further edit needed.", True),
-    ("<think>all there</think>   ", 0.0, "<think>all there</think>", False),  # nothing after </think>
-    ("no further edit needed", 0.0, "no further edit needed", False),  # no reflection: refined anyway
+    ("<think>all there</think>   ", 0.0, tm.NO_EDIT, True),  # nothing after </think>: no edit
+    ("no further edit needed", 0.0, tm.NO_EDIT, True),  # no reflection: no edit, the image is kept (R3)
 ])
 def test_reflection_format(text, fmt, instruction, no_edit):
     assert tm.reflection_of(text) == (fmt, instruction, no_edit)

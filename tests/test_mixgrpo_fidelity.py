@@ -1,0 +1,178 @@
+"""train_mixgrpo.py against R3's own training code: the text ratio is 1 on a first pass with LoRA dropout, the image
+KL has its own weight only, seed streams are disjoint, the reflect buffer resumes without unpickling, R3's format
+rules, R3's GenEval++ judge request, and the r3_* recipes' defaults."""
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+import train_mixgrpo as tm
+from train_mixgrpo import MixGRPOConfig
+from utils.errors import InputError
+
+TINY_CFG = dict(group_size=4, policy_group_size=1, prompts_per_policy_group=2, max_output_token_n_gen=6,
+                image_size=32, num_timesteps_gen=4, temperature=0.7, generator_lora_r=4, report_to="none",
+                reward_fn="tests.mixgrpo_helpers:brightness", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from accelerate import Accelerator
+
+    from tiny.pipelines import make_tiny_qwenimage
+    from tiny.t2i import make_t2i_prompts
+
+    gen_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("fidelity") / "qwenimage"))
+    return dict(gen_path=gen_path, vlm_path=os.path.join(gen_path, "_vlm"), rows=make_t2i_prompts(2, seed=0),
+                accelerator=Accelerator(cpu=True))
+
+
+def build(tiny, **overrides):
+    cfg = MixGRPOConfig(**{**TINY_CFG, **overrides})
+    model, processor, policy, gen, gen_params = tm.build_policy(cfg, tiny["vlm_path"], tiny["gen_path"], "cpu")
+    stop = tm.stop_token_ids(model, processor.tokenizer)
+    return dict(cfg=cfg, model=model, processor=processor, policy=policy, gen=gen, gen_params=gen_params, stop=stop,
+                suppress=tm.special_token_ids_to_suppress(processor.tokenizer, stop))
+
+
+def reason(tiny, parts, cfg=None):
+    cfg = cfg or parts["cfg"]
+    return tm.reason_rollout(cfg, 0, [0, 1], tiny["rows"], rank_in_group=0, policy=parts["policy"],
+                             processor=parts["processor"], gen=parts["gen"], accelerator=tiny["accelerator"],
+                             stop_ids=parts["stop"], suppress_ids=parts["suppress"], reward_fn=tm.build_reward(cfg))
+
+
+# ---- 1. LoRA dropout and the text ratio ----
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_lora_dropout_is_off_so_the_text_ratio_is_one_on_a_first_pass(tiny, disable):
+    """Rollout log-probs come from eval() mode and the loss's from train() mode (as in the training loop). With
+    LoRA's B matrices moved off 0 (a policy some steps in), dropout on the LoRA branch changes the train-mode
+    log-probs: --disable_dropout (the default) keeps the first pass's ratio at 1."""
+    parts = build(tiny, use_peft=True, lora_r=4, lora_dropout=0.3, disable_dropout=disable)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in parts["model"].named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    cfg = replace(parts["cfg"], tune_image_cot=False, kl_weight_text=0.0)
+    mix = tm.MixGRPOModel(parts["policy"], parts["gen"])
+    mix.eval()
+    roll = reason(tiny, parts, cfg)
+    mix.train()
+    adv = torch.linspace(-1, 1, 8)
+    _, stats = tm.mixgrpo_loss(cfg, mix, roll, adv, adv, ref_logps=None, ref_mean=None,
+                               text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    if disable:
+        assert stats["ratio_max_dev_text"] < 1e-5
+    else:  # the test sees the defect: dropout on moves the ratio
+        assert stats["ratio_max_dev_text"] > 1e-3
+
+
+# ---- 5. the image KL's weight ----
+
+def test_image_kl_is_weighted_by_kl_weight_image_only(tiny):
+    """R3: image part = mse_weight * clipped surrogate + kl_weight_image * image KL. With zero image advantages the
+    surrogate is 0, so the loss is the KL term alone, whatever mse_weight is."""
+    parts = build(tiny)
+    cfg = replace(parts["cfg"], tune_text_cot=False, kl_weight_image=0.5)
+    roll = reason(tiny, parts, cfg)
+    with torch.no_grad():
+        _, mean, std = tm.image_logprobs(parts["gen"], tm.step_condition(roll), roll["steps"])
+    ref_mean = mean + 0.01 * torch.randn(mean.shape, generator=torch.Generator().manual_seed(0))
+    expected = 0.5 * tm.image_kl(mean, ref_mean, std).mean()
+    mix, zero = tm.MixGRPOModel(parts["policy"], parts["gen"]), torch.zeros(8)
+    losses = []
+    for mse in (1.0, 2.0):
+        loss, _ = tm.mixgrpo_loss(replace(cfg, mse_weight=mse), mix, roll, zero, zero, ref_logps=None,
+                                  ref_mean=ref_mean, text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+        losses.append(loss.item())
+    assert expected > 0
+    assert losses[0] == pytest.approx(expected.item(), rel=1e-5) and losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+# ---- 8. seed streams ----
+
+def test_seed_streams_are_disjoint_across_run_seeds():
+    bases = {}
+    for seed in range(6):
+        for stream in range(tm.SEED_STREAMS):
+            key = tuple(tm.seeds_for(seed, stream, 3, [0, 1, 2]).tolist())
+            assert key not in bases, (seed, stream, bases.get(key))
+            bases[key] = (seed, stream)
+    # the overlap this pins: stream 4 of seed s was stream 0 of seed s + 1
+    assert not torch.equal(tm.seeds_for(0, 4, 0, [0]), tm.seeds_for(1, 0, 0, [0]))
+    with pytest.raises(ValueError, match="stream"):
+        tm.seeds_for(0, tm.SEED_STREAMS, 0, [0])
+
+
+# ---- 9. the reflect buffer on resume ----
+
+def small_buffer():
+    from PIL import Image
+
+    def image(v):
+        return Image.fromarray((torch.arange(48).reshape(4, 4, 3) * v % 256).to(torch.uint8).numpy())
+
+    row = dict(prompt="a red cube", tag="color", include=[dict(**{"class": "cube"}, count=1, color="red")])
+    return dict(perfect=[dict(id=3, row=row, score=1.0, image=image(1))],
+                imperfect=[dict(id=0, row=row, score=0.125, image=image(7)),
+                           dict(id=5, row=dict(row, prompt="two cats"), score=1 / 3, image=image(11))])
+
+
+def test_reflect_buffer_round_trips_exactly(tmp_path):
+    buffer = small_buffer()
+    tm.save_buffer(buffer, str(tmp_path))
+    assert not os.path.exists(tmp_path / "buffer.pt")
+    back = tm.load_buffer(str(tmp_path))
+    for pool in ("perfect", "imperfect"):
+        assert [(e["id"], e["row"], e["score"]) for e in back[pool]] == [
+            (e["id"], e["row"], e["score"]) for e in buffer[pool]]
+        assert [e["image"].tobytes() for e in back[pool]] == [e["image"].tobytes() for e in buffer[pool]]
+    assert tm.load_buffer(str(tmp_path / "none")) is None
+
+
+class Planted:
+    """Unpickling this writes a file: the proof that a load ran code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("target", ["images.pt", "buffer.pt"])
+def test_a_planted_object_in_the_buffer_is_refused_naming_the_file(tmp_path, target):
+    folder = tmp_path / "checkpoint-2" / "reflect_buffer"
+    tm.save_buffer(small_buffer(), str(folder))
+    marker = tmp_path / "ran"
+    torch.save({"perfect": [Planted(str(marker))], "imperfect": []}, folder / target)
+    with pytest.raises(InputError, match=str(folder / target)):
+        tm.load_buffer(str(folder))
+    assert not marker.exists()
+
+
+# ---- 6. R3's format rules ----
+
+@pytest.mark.parametrize("text, fmt", [
+    ("<think>two red circles</think>", 1.0),
+    ("<think>plan</think> and then some", 0.0),  # nothing may follow the reasoning
+    ("<think>a <think>nested</think>", 0.0),
+    ("<think>a</think><think>b</think>", 0.0),
+])
+def test_reason_format_is_the_whole_output(text, fmt):
+    assert tm.reasoning_of(text)[0] == fmt
+
+
+@pytest.mark.parametrize("text, fmt, instruction, no_edit", [
+    ("<think>missing a cube</think> add a red cube", 1.0, "add a red cube", False),
+    ("missing a cube</think> add a red cube", 0.0, "add a red cube", False),  # no leading <think>: format 0
+    ("<think>fine</think> No further edit.", 1.0, "No further edit.", True),  # R3 matches "no further edit"
+    ("add a red cube", 0.0, tm.NO_EDIT, True),  # malformed: no edit, the image is kept
+    ("<think>a</think> b <think>c</think> d", 0.0, "d", False),
+])
+def test_reflection_follows_r3(text, fmt, instruction, no_edit):
+    assert tm.reflection_of(text) == (fmt, instruction, no_edit)
