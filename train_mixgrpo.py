@@ -39,7 +39,7 @@ from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
-from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
+from utils.models import disable_dropout, freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.rollout import (
     completion_seeds,
@@ -115,15 +115,17 @@ class MixGRPOConfig:
     reward_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON options of --reward_fn"})
     reward_server_urls: str = "http://127.0.0.1"  # comma-separated reward server URLs (rank r: endpoint r mod n)
     reward_server_port: Optional[str] = "8000"  # comma-separated ports, combined with every URL; none: in the URLs
-    format_weight: float = 0.5  # w_fmt: reason text reward = score * fmt + w_fmt * fmt
+    format_weight: float = 1.0  # w_fmt: reason text reward = score * fmt + w_fmt * fmt (R3: 1.0)
     # groups
     group_size: int = 16  # rollouts per prompt (the GRPO group)
     policy_group_size: int = 4  # processes sharing one prompt; each makes group_size // policy_group_size rollouts
     prompts_per_policy_group: int = 1  # prompts each policy group takes per step
     # text
     max_prompt_length: Optional[int] = 512  # max prompt tokens (longer: an error naming the row)
-    max_output_token_n_gen: int = 256  # max reasoning tokens in the reason stage
+    max_output_token_n_gen: int = 196  # max reasoning tokens in the reason stage (R3: 196)
     temperature: float = 0.9  # text sampling temperature; behaviour and training log-probs use it too
+    top_k: Optional[int] = None  # refused (R3 samples with top-k 50): its log-probs would not be the sampler's
+    top_p: float = 1.0  # refused below 1 (R3 samples with top-p 0.9): its log-probs would not be the sampler's
     # image
     image_size: int = 512  # height = width of the generated images
     num_timesteps_gen: int = 20  # flow steps of the reason stage's image
@@ -136,7 +138,7 @@ class MixGRPOConfig:
     timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
     # reflect + refine (odd steps)
     reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
-    max_output_token_n_edit: int = 256  # max tokens of the reflection + edit instruction
+    max_output_token_n_edit: int = 384  # max tokens of the reflection + edit instruction (R3: 384)
     num_timesteps_edit: int = 20  # flow steps of the refine stage's image
     enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
     max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
@@ -204,6 +206,10 @@ def validate(cfg, num_processes):
         raise ConfigError("--prompts_per_policy_group must be >= 1")
     if cfg.temperature <= 0:
         raise ConfigError("--temperature must be > 0 for GRPO sampling")
+    if cfg.top_k or cfg.top_p < 1:
+        raise ConfigError(f"--top_k {cfg.top_k} / --top_p {cfg.top_p}: truncated sampling is not supported, since the "
+                          "behaviour and training log-probs are over the full tempered softmax, not the truncated "
+                          "one that sampled (R3 samples truncated and trains on the full softmax)")
     if cfg.num_timesteps_gen < 2:
         raise ConfigError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
     if len(cfg.cfg_interval) != 2 or not 0 <= cfg.cfg_interval[0] < cfg.cfg_interval[1] <= 1:
@@ -332,11 +338,15 @@ def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
 
 
 def group_advantages(rewards, group_size, scale=False):
-    """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale."""
+    """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale.
+    Unscored rollouts (NaN) are left out of their group's mean and std and get advantage 0."""
     r = rewards.view(-1, group_size)
-    adv = r - r.mean(-1, keepdim=True)
+    scored = ~torch.isnan(r)
+    n = scored.sum(-1, keepdim=True)
+    mean = torch.where(scored, r, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
+    adv = torch.where(scored, r - mean, 0.0)
     if scale:
-        adv = adv / (r.std(-1, keepdim=True) + 1e-4)
+        adv = adv / ((adv ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt().add(1e-4)
     return adv.reshape(-1)
 
 
@@ -435,13 +445,12 @@ def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_s
 
 
 def score_images(cfg, reward_fn, texts, images, rows):
-    """The image reward per image; a reward that returns no score is an error, never a 0."""
+    """The image reward per image, every metadata column of the rows passed through. An image the reward gives no
+    score (None: e.g. a judge reply with no verdict) is NaN: left out of its group's mean and advantage (0) and
+    counted (`unscored`), never scored 0; a reward that fails raises."""
     columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
     scores = reward_fn(texts, images=images, **columns)
-    missing = [i for i, s in enumerate(scores) if s is None]
-    if missing:
-        raise RuntimeError(f"reward {cfg.reward_fn} returned no score for prompt {rows[missing[0]]['prompt']!r}")
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor([float("nan") if s is None else float(s) for s in scores], dtype=torch.float32)
 
 
 def user_message(text, with_image=False):
@@ -478,7 +487,8 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
 
 def build_buffer(accelerator, roll):
     """The reason step's (metadata, score, image) entries of all processes, in rollout order, split into the
-    perfect (score 1) and imperfect pools. Every process holds the same buffer."""
+    perfect (score 1) and imperfect pools (unscored images too: a refine of one is scored, its improvement is not).
+    Every process holds the same buffer."""
     entries = [dict(id=int(i), row=r, score=float(s), image=im)
                for i, r, s, im in zip(roll["global_ids"], roll["rows"], roll["scores"], roll["images"])]
     gathered = sorted((e for part in gather_object([entries]) for e in part), key=lambda e: e["id"])
@@ -560,6 +570,8 @@ def build_policy(cfg, vlm_path, gen_path, device):
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
     model = prepare_for_training(model, cfg)
+    if cfg.use_peft and cfg.freeze_vision_tower:  # LoRA's all-linear wraps the vision tower too: freeze those
+        freeze_vision_tower(model)
     if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
         disable_dropout(model)
     if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
@@ -843,8 +855,9 @@ def main(cfg: MixGRPOConfig):
             fmt = gather_by_index(accelerator, roll["formats"], roll["global_ids"], total)
             scores = gather_by_index(accelerator, roll["scores"], roll["global_ids"], total)
             metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(),
-                       f"{stage}/text_reward": all_text.mean(),
-                       f"{stage}/image_reward": all_image.mean(), f"{stage}/score": scores.mean(),
+                       f"{stage}/text_reward": all_text.nanmean(),
+                       f"{stage}/image_reward": all_image.nanmean(), f"{stage}/score": scores.nanmean(),
+                       f"{stage}/unscored": scores.isnan().float().mean(),
                        f"{stage}/format": fmt.mean(),
                        f"{stage}/text_advantage_abs": group_advantages(all_text, G, cfg.scale_advantages).abs().mean(),
                        f"{stage}/image_advantage_abs": gather_by_index(accelerator, adv_image, roll["global_ids"],
@@ -857,7 +870,7 @@ def main(cfg: MixGRPOConfig):
                 metrics["reflect/no_edit"] = gather_by_index(accelerator, roll["no_edit"], roll["global_ids"],
                                                              total).mean()
                 metrics["reflect/improvement"] = (scores - gather_by_index(
-                    accelerator, roll["score_prev"], roll["global_ids"], total)).mean()
+                    accelerator, roll["score_prev"], roll["global_ids"], total)).nanmean()
             for k, v in stats.items():
                 reduced = accelerator.reduce(v.float(), "max" if k.startswith("ratio_max_dev") else "mean")
                 metrics[f"{stage}/{k}"] = reduced.item()
@@ -1042,11 +1055,13 @@ def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processo
 
 
 def score_heldout(cfg, reward_fn, texts, images, batch_rows):
-    columns = {key: [r.get(key) for r in batch_rows] for key in sorted({k for r in batch_rows for k in r})}
-    scores = reward_fn(texts, images=images, **columns)
-    if any(s is None for s in scores):
-        raise RuntimeError(f"reward {cfg.reward_fn} returned no score on a held-out image")
-    return [float(s) for s in scores]
+    return score_images(cfg, reward_fn, texts, images, batch_rows).tolist()  # NaN: unscored
+
+
+def scored_mean(values):
+    """Mean over the values that are not NaN (unscored images), NaN when there are none."""
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_offset=0, **generate):
@@ -1122,9 +1137,10 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
             if grid_images:
                 save_grid(grid_images, path)
     n = len(gathered)
-    result = dict(reward=sum(r[1] for r in gathered) / n, format=sum(r[2] for r in gathered) / n, samples=n)
+    result = dict(reward=scored_mean([r[1] for r in gathered]), format=sum(r[2] for r in gathered) / n, samples=n,
+                  unscored=sum(math.isnan(r[1]) for r in gathered) / n)
     for key in sorted({k for r in gathered for k in r[3]}):  # refine, and the shapes scorer's view (strict, objects)
-        result[key] = sum(r[3][key] for r in gathered) / n
+        result[key] = scored_mean([r[3][key] for r in gathered])
     return result
 
 

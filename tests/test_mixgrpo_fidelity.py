@@ -176,3 +176,106 @@ def test_reason_format_is_the_whole_output(text, fmt):
 ])
 def test_reflection_follows_r3(text, fmt, instruction, no_edit):
     assert tm.reflection_of(text) == (fmt, instruction, no_edit)
+
+
+# ---- 4. R3's GenEval++ judge ----
+
+def test_geneval_plus_judge_sends_r3s_system_prompt_and_the_rows_checklist():
+    """A loopback judge captures each request: R3's system prompt, and a user turn built from the row's metadata
+    (colour, size, count, region, the exclude items), which the prompt text alone does not carry."""
+    import json
+
+    from rewards import get_reward
+    from rewards.geneval import GENEVAL_PLUS_SYSTEM
+    from tests.test_reward_servers import Loopback, _chat_reply, _image
+
+    replies = iter(['{"correct": 1,}', "I cannot tell.", '```json\n{"correct": 0}\n```'])
+    server = Loopback(lambda attempt, path, body: _chat_reply(next(replies)))
+    try:
+        fn = get_reward("judge_geneval_plus", base_url=server.url + "/v1", model="judge", max_concurrency=1,
+                        timeout=5.0)
+        rows = [dict(prompt="a photo of things", include=[{"class": "cat", "count": 2, "color": "red",
+                                                           "region": "left", "size": "large"}],
+                     exclude=[{"class": "dog", "count": 1}]),
+                dict(prompt="another photo", include=[{"class": "cup", "count": 1}]),
+                dict(prompt="a third", include=[{"class": "cup", "count": 3, "region": "top"}], exclude=None)]
+        columns = {k: [r.get(k) for r in rows] for k in ("prompt", "include", "exclude")}
+        out = fn(["c"] * 3, images=[_image("red")] * 3, **columns)
+    finally:
+        server.close()
+    assert out == [1.0, None, 0.0]  # R3 reads a reply without a verdict as 0; here it is no score
+    sent = [json.loads(body)["messages"] for _, body, _ in server.requests]
+    assert all(m[0] == {"role": "system", "content": GENEVAL_PLUS_SYSTEM} for m in sent)
+    texts = [next(p["text"] for p in m[1]["content"] if p["type"] == "text") for m in sent]
+    assert texts[0] == ("Instruction: a photo of things\n\nExplanation: This image should contain:\n"
+                        "- red-colored large 2 cats located in the left part of the image.\n"
+                        "- No more than 0 dog should appear.")
+    assert texts[1].endswith("contain:\n- 1 cup present in the image.")
+    assert texts[2].endswith("- 3 cups located in the top part of the image.")
+    assert "Be very strict" in GENEVAL_PLUS_SYSTEM and "collage" in GENEVAL_PLUS_SYSTEM
+
+
+def test_unscored_images_are_left_out_of_the_group_and_counted():
+    rewards = torch.tensor([1.0, float("nan"), 0.0, 0.5, float("nan"), float("nan"), float("nan"), float("nan")])
+    adv = tm.group_advantages(rewards, 4)
+    assert adv.tolist() == pytest.approx([0.5, 0.0, -0.5, 0.0] + [0.0] * 4)
+    full = torch.tensor([1.0, 0.2, 0.0, 0.5])
+    assert torch.allclose(tm.group_advantages(full, 4, scale=True),
+                          (full - full.mean()) / (full.std() + 1e-4))
+    scores = tm.score_images(None, lambda texts, images, **c: [1.0, None], ["a", "b"], [None, None],
+                             [dict(prompt="x"), dict(prompt="y")])
+    assert scores[0] == 1.0 and scores[1].isnan()
+
+
+# ---- 7. the r3_* recipes ----
+
+RECIPES = ("r3_geneval.yaml", "r3_geneval_plus.yaml", "r3_tiif.yaml")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recipe(name):
+    from utils.config import parse_config
+
+    return parse_config(MixGRPOConfig, ["--config", os.path.join(REPO, "recipes", name)])
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_r3_recipes_carry_r3s_script_defaults_and_truncated_sampling_is_refused(name):
+    from utils.config import ConfigError
+
+    cfg = recipe(name)
+    assert (cfg.format_weight, cfg.max_output_token_n_gen, cfg.max_output_token_n_edit) == (1.0, 196, 384)
+    assert cfg.freeze_vision_tower and cfg.use_peft and cfg.disable_dropout and cfg.lora_dropout > 0
+    cfg.train_data_path = cfg.val_data_path = "prompts.jsonl"
+    tm.validate(cfg, 4)
+    for flags in (dict(top_k=50), dict(top_p=0.9)):
+        with pytest.raises(ConfigError, match="full tempered softmax"):
+            tm.validate(replace(cfg, **flags), 4)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_r3_recipes_at_tiny_sizes_keep_the_text_ratio_at_one_on_a_first_pass(tiny, name):
+    """Each r3_* recipe with its LoRA (dropout 0.05), frozen vision tower and dtype, on the tiny models and tiny
+    sizes: rollout in eval() mode, loss in train() mode, LoRA's B moved off 0: ratio 1 on the first pass."""
+    sizes = {k: TINY_CFG[k] for k in ("group_size", "policy_group_size", "prompts_per_policy_group",
+                                      "max_output_token_n_gen", "image_size", "num_timesteps_gen", "reward_fn")}
+    cfg = replace(recipe(name), **sizes, lora_r=4, lora_alpha=8, generator_lora_r=4, gradient_checkpointing=False,
+                  dataset_name="shapes_t2i")
+    model, processor, policy, gen, _ = tm.build_policy(cfg, tiny["vlm_path"], tiny["gen_path"], "cpu")
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".visual." in n and "merger" not in n)
+    stop = tm.stop_token_ids(model, processor.tokenizer)
+    parts = dict(cfg=cfg, policy=policy, processor=processor, gen=gen, stop=stop,
+                 suppress=tm.special_token_ids_to_suppress(processor.tokenizer, stop))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    mix = tm.MixGRPOModel(policy, gen)
+    mix.eval()
+    roll = reason(tiny, parts, replace(cfg, tune_image_cot=False))
+    mix.train()
+    adv = torch.linspace(-1, 1, 8)
+    _, stats = tm.mixgrpo_loss(replace(cfg, tune_image_cot=False, kl_weight_text=0.0), mix, roll, adv, adv,
+                               ref_logps=None, ref_mean=None, text_tokens=roll["mask"].sum().float(), n_images=8,
+                               world=1)
+    assert stats["ratio_max_dev_text"] < 1e-5
