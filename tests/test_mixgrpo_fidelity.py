@@ -279,3 +279,33 @@ def test_r3_recipes_at_tiny_sizes_keep_the_text_ratio_at_one_on_a_first_pass(tin
                                ref_logps=None, ref_mean=None, text_tokens=roll["mask"].sum().float(), n_images=8,
                                world=1)
     assert stats["ratio_max_dev_text"] < 1e-5
+
+
+# ---- 3. the timestep shift on the real checkpoints' scheduler configs ----
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory):
+    from tiny import pipelines as tp
+    from utils import flow_adapters as fa
+
+    root = tmp_path_factory.mktemp("pipes")
+    return {"qwenimage": (fa.QwenImageGenerator, tp.make_tiny_qwenimage(str(root / "qwen")), tp.QWEN_IMAGE_SCHEDULER),
+            "sd3": (fa.SD3Generator, tp.make_tiny_sd3(str(root / "sd3")), tp.SD35_SCHEDULER),
+            "flux": (fa.FluxGenerator, tp.make_tiny_flux(str(root / "flux")), tp.FLUX1_DEV_SCHEDULER),
+            "klein": (fa.Flux2KleinGenerator, tp.make_tiny_klein(str(root / "klein")), tp.FLUX2_KLEIN_SCHEDULER)}
+
+
+@pytest.mark.parametrize("name", ["qwenimage", "sd3", "flux", "klein"])
+def test_a_fixed_shift_gives_r3s_schedule_on_the_real_scheduler_configs(pipelines, name):
+    """R3: t' = 3t / (1 + 2t) on the linear steps. The tiny pipelines carry the real configs (Qwen-Image's
+    shift_terminal 0.02 and dynamic exponential shifting included), which diffusers would apply on top."""
+    cls, path, real = pipelines[name]
+    gen = cls.from_pretrained(path)
+    config = gen.scheduler.config
+    assert all(config[k] == v for k, v in real.items()), name
+    x = gen.prepare_latents(1, 32, 32, torch.Generator().manual_seed(0))
+    _, sigmas = gen.schedule(8, x, shift=3.0)
+    t = torch.linspace(1, 1 / 8, 8, dtype=torch.float64)
+    assert torch.allclose(sigmas[:-1].double(), 3 * t / (1 + 2 * t), atol=1e-6) and sigmas[-1] == 0
+    _, own = gen.schedule(8, x)  # without the flag: the pipeline's own schedule, untouched
+    assert not torch.allclose(own[:-1].double(), 3 * t / (1 + 2 * t), atol=1e-3)

@@ -246,10 +246,14 @@ class FlowGenerator:
     # ---- schedule helpers ----------------------------------------------------------------------------------
 
     def _scheduler(self, shift):
-        # A fixed shift (R3: 3, t' = 3t / (1 + 2t)) replaces the pipeline's resolution-dependent mu.
+        # A fixed shift (R3: 3, t' = 3t / (1 + 2t)) replaces the pipeline's schedule: its resolution-dependent mu and
+        # everything diffusers applies after the shift (Qwen-Image's shift_terminal 0.02 would stretch the shifted
+        # sigmas; karras / exponential / beta spacings would respace them).
         if shift is None:
             return self.scheduler
-        return type(self.scheduler).from_config(self.scheduler.config, use_dynamic_shifting=False, shift=shift)
+        return type(self.scheduler).from_config(
+            self.scheduler.config, use_dynamic_shifting=False, shift=shift, shift_terminal=None,
+            use_karras_sigmas=False, use_exponential_sigmas=False, use_beta_sigmas=False, invert_sigmas=False)
 
     # ---- training ---------------------------------------------------------------------------------------------
 
