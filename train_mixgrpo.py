@@ -83,6 +83,9 @@ class MixGRPOConfig:
     edit_generator_name_or_path: Optional[str] = field(default=None, metadata={
         "help": "the refine stage's generator (Qwen-Image-Edit folder or hub name), with its own LoRA; none: the "
                 "reason stage's generator refines too"})
+    generator_kwargs: dict = field(default_factory=dict, metadata={
+        "help": "JSON options of the generator's adapter (utils/flow_adapters.py), e.g. FLUX.2 Klein's "
+                "{\"text_encoder_out_layers\": [9, 18, 27]}"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
     conditioning: str = choice("base", "policy", "generator",
                                help="the image model reads the VLM's base weights (no grad), the policy as it trains, "
@@ -404,7 +407,7 @@ def sde_window(cfg, step):
 def image_condition(cfg, gen, rows, texts, images=None):
     """What the generator draws from: each row's prompt + the VLM's text (its reasoning, or its edit instruction
     with the image to refine; then also the branch without the image that --cfg_img_scale_edit guides against)."""
-    extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}
+    extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}  # Qwen-Image
     return gen.encode_condition([f"{r['prompt']}\n{text}" for r, text in zip(rows, texts)], images=images,
                                 height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt,
                                 **extra)
@@ -426,7 +429,7 @@ def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_s
     for k, q in enumerate(prompt_ids):
         part = torch.arange(k * per, (k + 1) * per)
         noise_gen = torch.Generator(device=device).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
-        noise = gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen).repeat(per, 1, 1)
+        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen)] * per)  # any layout
         pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 2, step, [q])[0]))
         sde_steps = list(window) if window else [int(torch.randint(0, sde_range, (1,), generator=pick))]
         out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=sde_steps if enable_sde else [],
@@ -580,7 +583,7 @@ def build_policy(cfg, vlm_path, gen_path, device):
         hidden = hf_core(model).config.get_text_config().hidden_size
         components = {"text_encoder": hf_core(model), "tokenizer": processor.tokenizer, "processor": processor}
     gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device, hidden=hidden,
-                                     components=components)
+                                     components=components, **cfg.generator_kwargs)
     return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
 
 
@@ -595,12 +598,48 @@ def own_processor(path):
     return {"processor": AutoProcessor.from_pretrained(folder)}
 
 
+# What each generator pipeline can do in the loop: read the VLM's hidden states (Qwen-Image), refine an image from
+# an instruction (an edit path: Qwen-Image-Edit, FLUX.2 Klein's reference images; SD3 and FLUX.1 have none), and
+# guide against the image (--cfg_img_scale_edit: Qwen-Image-Edit's image-free branch).
+QWEN_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline")
+EDIT_PIPELINES = QWEN_PIPELINES + ("Flux2KleinPipeline",)
+
+
+def pipeline_class(path):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(path)["_class_name"]
+
+
+def check_generators(cfg, gen_path):
+    """The generators' pipelines against the flags, from their model_index.json, before anything loads."""
+    for flag, path in (("generator_name_or_path", gen_path),
+                       ("edit_generator_name_or_path", cfg.edit_generator_name_or_path)):
+        if path is None:
+            continue
+        name = pipeline_class(path)
+        refines = cfg.reflect_refine and (flag.startswith("edit_") or not cfg.edit_generator_name_or_path)
+        if flag.startswith("edit_") and name not in QWEN_PIPELINES:
+            raise ConfigError(f"--{flag} {path}: a {name}; the refine stage's own generator must be a Qwen-Image-Edit "
+                              "pipeline (it reads the reason stage's text encoder)")
+        if name not in QWEN_PIPELINES and cfg.conditioning != "generator":
+            raise ConfigError(f"--{flag} {path}: a {name} reads its own text encoders, not the VLM's states: use "
+                              f"--conditioning generator, not {cfg.conditioning}")
+        if refines and name not in EDIT_PIPELINES:
+            raise ConfigError(f"--reflect_refine: --{flag} {path} is a {name}, which has no edit path to refine an "
+                              "image from an instruction; use --reflect_refine false (or Qwen-Image, FLUX.2 Klein)")
+        if refines and name not in QWEN_PIPELINES and cfg.cfg_img_scale_edit > 1:
+            raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit}: --{flag} {path} (a {name}) has no "
+                              "image-free branch to guide against; use --cfg_img_scale_edit 1")
+
+
 def load_generator(cfg, path, flag, device, *, hidden, **options):
     """A generator from `path` (--`flag`) that reads `hidden`-dim text states (None: its own text encoder), made
     trainable (`train_generator`), with the settings both stages share. Returns (generator, trainable parameters)."""
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    conditioning = "base" if cfg.conditioning == "generator" else cfg.conditioning  # its own encoder is frozen
-    gen = load_flow_generator(path, dtype=dtype, device=device, conditioning=conditioning, **options)
+    if pipeline_class(path) in QWEN_PIPELINES:  # its conditioning: the VLM's base weights or the policy
+        options["conditioning"] = "base" if cfg.conditioning == "generator" else cfg.conditioning
+    gen = load_flow_generator(path, dtype=dtype, device=device, **options)
     joint = gen.transformer.config.joint_attention_dim
     if hidden is not None and joint != hidden:
         raise InputError(f"--{flag} reads {joint}-dim text states but the VLM's hidden size is {hidden}")
@@ -723,6 +762,7 @@ def main(cfg: MixGRPOConfig):
 
     # ---- data and reward (checked before any model is loaded) ----
     vlm_path, gen_path, train_path, val_path = resolve_tiny(cfg, accelerator)
+    check_generators(cfg, gen_path)
     train_rows = load_prompts(cfg, train_path)
     val_rows = load_prompts(cfg, val_path) if val_path else None
     if val_rows is not None and cfg.eval_samples:

@@ -385,7 +385,10 @@ class Flux2KleinGenerator(FlowGenerator):
     models; distilled ones run without), refine = the pipeline's reference-image path (tokens joined, time id 10)."""
 
     pipeline_class = Flux2KleinPipeline
-    lora_targets = DEFAULT_LORA_TARGETS + ("to_qkv_mlp_proj", "to_out")
+    # A regex (peft matches it whole): "to_out" is a Linear in the single-stream blocks but a ModuleList (Linear,
+    # Dropout) in the double-stream ones, which peft cannot wrap, so a plain name list cannot take both.
+    lora_targets = (r".*\.(" + "|".join(t.replace(".", r"\.") for t in DEFAULT_LORA_TARGETS + ("to_qkv_mlp_proj",))
+                    + r")$|.*single_transformer_blocks\.\d+\.attn\.to_out$")
 
     def __init__(self, pipe, *, text_encoder_out_layers=(9, 18, 27)):
         super().__init__(pipe)

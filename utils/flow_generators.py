@@ -263,7 +263,8 @@ class FlowGenerator:
         from peft import LoraConfig
 
         self.transformer.requires_grad_(False)
-        targets = list(target_modules or self.lora_targets)
+        targets = target_modules or self.lora_targets
+        targets = targets if isinstance(targets, str) else list(targets)  # a str: a regex over module names
         self.transformer.add_adapter(LoraConfig(r=r, lora_alpha=alpha or r, lora_dropout=dropout,
                                                 init_lora_weights=init_lora_weights, target_modules=targets))
         params = [p for p in self.transformer.parameters() if p.requires_grad]
