@@ -619,9 +619,10 @@ def check_generators(cfg, gen_path):
             continue
         name = pipeline_class(path)
         refines = cfg.reflect_refine and (flag.startswith("edit_") or not cfg.edit_generator_name_or_path)
-        if flag.startswith("edit_") and name not in QWEN_PIPELINES:
+        if flag.startswith("edit_") and (name not in QWEN_PIPELINES or pipeline_class(gen_path) not in QWEN_PIPELINES):
             raise ConfigError(f"--{flag} {path}: a {name}; the refine stage's own generator must be a Qwen-Image-Edit "
-                              "pipeline (it reads the reason stage's text encoder)")
+                              "pipeline beside a Qwen-Image --generator_name_or_path (it reads that one's text "
+                              "encoder)")
         if name not in QWEN_PIPELINES and cfg.conditioning != "generator":
             raise ConfigError(f"--{flag} {path}: a {name} reads its own text encoders, not the VLM's states: use "
                               f"--conditioning generator, not {cfg.conditioning}")

@@ -52,6 +52,10 @@ def test_klein_refines_without_image_cfg_and_qwen_image_with_it(pipes):
     with pytest.raises(ConfigError, match="--cfg_img_scale_edit 1.5: .*no image-free branch"):
         tm.check_generators(MixGRPOConfig(conditioning="generator"), pipes["klein"])
     tm.check_generators(MixGRPOConfig(conditioning="base"), pipes["qwenimage"])
+    beside_klein = MixGRPOConfig(conditioning="generator", cfg_img_scale_edit=1.0,
+                                 edit_generator_name_or_path=pipes["qwenimage"])
+    with pytest.raises(ConfigError, match="beside a Qwen-Image"):
+        tm.check_generators(beside_klein, pipes["klein"])
 
 
 def test_klein_lora_wraps_both_block_kinds(pipes):
