@@ -191,6 +191,7 @@ class MixGRPOConfig:
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
     eval_num_timesteps: int = 30  # flow steps of the evaluation images
     eval_images_per_prompt: int = 1  # images per held-out prompt, each from its own noise (GenEval's protocol: 4)
+    eval_refine_rounds: int = 1  # held-out reflect + refine rounds per image, each stops at "no further edit" (R3: 4)
     eval_steps: int = 0  # evaluate every N steps (0: only before and after training)
     eval_before: bool = True  # also evaluate the starting policy
 
@@ -217,6 +218,8 @@ def validate(cfg, num_processes):
         raise ConfigError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
     if len(cfg.cfg_interval) != 2 or not 0 <= cfg.cfg_interval[0] < cfg.cfg_interval[1] <= 1:
         raise ConfigError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
+    if cfg.eval_refine_rounds < 1:
+        raise ConfigError(f"--eval_refine_rounds {cfg.eval_refine_rounds} must be >= 1")
     if cfg.eval_images_per_prompt < 1:
         raise ConfigError(f"--eval_images_per_prompt {cfg.eval_images_per_prompt} must be >= 1")
     if not (cfg.tune_text_cot or cfg.tune_image_cot):
@@ -1154,13 +1157,25 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                          shift=cfg.timestep_shift, latents=noise, output_type="pil")
             scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
             details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
+            for d, r in zip(details, batch_rows):
+                d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
             refined = [None] * len(idx)
             if cfg.reflect_refine:
-                reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, edit_gen or gen,
-                                                              accelerator, noise_offset=offset, **generate)
-                new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+                images, new_scores, stopped = list(out.images), list(scores), [False] * len(idx)
+                for n in range(1, cfg.eval_refine_rounds + 1):  # R3: rounds until "no further edit"
+                    prev = new_scores
+                    reflections, candidates, no_edit = refine_heldout(
+                        cfg, batch_rows, idx, images, edit_gen or gen, accelerator,
+                        noise_offset=offset + (n - 1) * 104729, **generate)  # each round its own noise
+                    stopped = [a or b for a, b in zip(stopped, no_edit)]
+                    images = [im if stop else new for im, new, stop in zip(images, candidates, stopped)]
+                    new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+                    if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
+                        for d, a, b in zip(details, prev, new_scores):
+                            d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
+                                      f"round{n}_worse": float(b < a), f"round{n}_same": float(b == a)})
                 refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
-                           for s, k, im in zip(new_scores, no_edit, images)]
+                           for s, k, im in zip(new_scores, stopped, images)]
                 if shapes:
                     for d, r, im in zip(details, batch_rows, images):
                         d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
@@ -1180,8 +1195,10 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     n = len(gathered)
     result = dict(reward=scored_mean([r[1] for r in gathered]), format=sum(r[2] for r in gathered) / n, samples=n,
                   unscored=sum(math.isnan(r[1]) for r in gathered) / n)
-    for key in sorted({k for r in gathered for k in r[3]}):  # refine, and the shapes scorer's view (strict, objects)
+    for key in sorted({k for r in gathered for k in r[3]} - {"tag"}):  # refine, the shapes scorer's view
         result[key] = scored_mean([r[3][key] for r in gathered])
+    for tag in sorted({r[3]["tag"] for r in gathered if r[3].get("tag") is not None}):
+        result[f"tag_{tag}"] = scored_mean([r[1] for r in gathered if r[3].get("tag") == tag])
     return result
 
 

@@ -309,3 +309,33 @@ def test_a_fixed_shift_gives_r3s_schedule_on_the_real_scheduler_configs(pipeline
     assert torch.allclose(sigmas[:-1].double(), 3 * t / (1 + 2 * t), atol=1e-6) and sigmas[-1] == 0
     _, own = gen.schedule(8, x)  # without the flag: the pipeline's own schedule, untouched
     assert not torch.allclose(own[:-1].double(), 3 * t / (1 + 2 * t), atol=1e-3)
+
+
+# ---- R3's evaluation: refine rounds until "no further edit", per round and per tag ----
+
+def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, monkeypatch, tmp_path):
+    parts = build(tiny)
+    rows = [dict(r, tag=t) for r, t in zip(tiny["rows"], ("counting", "color"))]
+    cfg = replace(parts["cfg"], reflect_refine=True, eval_refine_rounds=3, eval_num_timesteps=3)
+    real, calls = tm.greedy_texts, []
+
+    def scripted(cfg, messages, images, idx, *a, **kw):  # row 0 edits every round, row 1 stops after round 1
+        out = real(cfg, messages, images, idx, *a, **kw)
+        if not any(images):
+            return out
+        calls.append(list(idx))
+        return ["<think>x</think> add a circle" if i == 0 or len(calls) == 1 else "<think>ok</think> no further edit"
+                for i in idx]
+
+    monkeypatch.setattr(tm, "greedy_texts", scripted)
+    result = tm.evaluate_reason(cfg, rows, policy=parts["policy"], processor=parts["processor"], gen=parts["gen"],
+                                accelerator=tiny["accelerator"], stop_ids=parts["stop"],
+                                suppress_ids=parts["suppress"], reward_fn=tm.build_reward(cfg),
+                                grid_path=str(tmp_path / "grid.png"))
+    assert len(calls) == 3 and result["refine_no_edit"] == 0.5  # row 1 stopped, row 0 edited all three rounds
+    for n in (1, 2, 3):
+        assert result[f"round{n}_improved"] + result[f"round{n}_worse"] + result[f"round{n}_same"] == 1.0
+    assert result["round3_reward"] == result["refine_reward"]
+    assert result["round2_same"] >= 0.5 and result["round3_same"] >= 0.5  # the stopped row's image is kept
+    assert set(k for k in result if k.startswith("tag_")) == {"tag_counting", "tag_color"}
+    assert (result["tag_counting"] + result["tag_color"]) / 2 == pytest.approx(result["reward"])
