@@ -539,7 +539,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
     assert victim.returncode == -signal.SIGKILL
     time.sleep(1.0)
     assert not (tmp_path / "killed" / "checkpoint-5").exists()
-    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "buffer.pt").exists()
+    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "images.pt").exists()
     finish(launch(cli(tiny, tmp_path / "killed", resume_from_checkpoint="latest", **args), 1))
     full = {m["step"]: m for m in read_jsonl(tmp_path / "full" / "metrics.jsonl")}
     resumed = {m["step"]: m for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")}
