@@ -498,7 +498,8 @@ def build_buffer(accelerator, roll):
     entries = [dict(id=int(i), row=r, score=float(s), image=im)
                for i, r, s, im in zip(roll["global_ids"], roll["rows"], roll["scores"], roll["images"])]
     gathered = sorted((e for part in gather_object([entries]) for e in part), key=lambda e: e["id"])
-    return dict(perfect=[e for e in gathered if e["score"] >= 1.0], imperfect=[e for e in gathered if e["score"] < 1.0])
+    return dict(perfect=[e for e in gathered if e["score"] >= 1.0],
+                imperfect=[e for e in gathered if not e["score"] >= 1.0])  # NaN (unscored) included
 
 
 def draw_entry(buffer, cfg, step, slot):
@@ -766,7 +767,6 @@ def main(cfg: MixGRPOConfig):
 
     # ---- data and reward (checked before any model is loaded) ----
     vlm_path, gen_path, train_path, val_path = resolve_tiny(cfg, accelerator)
-    check_generators(cfg, gen_path)
     train_rows = load_prompts(cfg, train_path)
     val_rows = load_prompts(cfg, val_path) if val_path else None
     if val_rows is not None and cfg.eval_samples:
@@ -774,6 +774,7 @@ def main(cfg: MixGRPOConfig):
     n_images = cfg.eval_images_per_prompt
     heldout_images = f"{len(val_rows or [])} prompts" + (f" x {n_images} images" if n_images > 1 else "")
     reward_fn = build_reward(cfg)
+    check_generators(cfg, gen_path)  # their pipelines against the flags (model_index.json), before any loads
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
     plugin = accelerator.state.deepspeed_plugin

@@ -339,3 +339,13 @@ def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, 
     assert result["round2_same"] >= 0.5 and result["round3_same"] >= 0.5  # the stopped row's image is kept
     assert set(k for k in result if k.startswith("tag_")) == {"tag_counting", "tag_color"}
     assert (result["tag_counting"] + result["tag_color"]) / 2 == pytest.approx(result["reward"])
+
+
+def test_unscored_reason_images_go_to_the_imperfect_pool():
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True)
+    roll = dict(global_ids=[0, 1, 2], rows=[{}, {}, {}], scores=torch.tensor([1.0, float("nan"), 0.5]),
+                images=["a", "b", "c"])
+    buffer = tm.build_buffer(None, roll)
+    assert [e["id"] for e in buffer["perfect"]] == [0] and [e["id"] for e in buffer["imperfect"]] == [1, 2]
