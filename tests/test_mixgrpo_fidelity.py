@@ -17,6 +17,16 @@ TINY_CFG = dict(group_size=4, policy_group_size=1, prompts_per_policy_group=2, m
                 reward_fn="tests.mixgrpo_helpers:brightness", seed=0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_accelerate_state():
+    """The Accelerator these tests make is process-wide state (a reward's rank reads it): none left behind."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from accelerate import Accelerator
