@@ -33,8 +33,8 @@ def test_reason_rewards(score, fmt, w, text, image):
 
 @pytest.mark.parametrize("text, fmt, reasoning", [
     ("<think>two red circles on the left</think>", 1.0, "two red circles on the left"),
-    ("  <think>\nplan\n</think> trailing", 1.0, "plan"),
-    ("<think> </think>", 0.0, "<think> </think>"),  # empty reasoning is not well-formed
+    ("  <think>\nplan\n</think> trailing", 0.0, "plan"),  # R3: nothing may follow the reasoning
+    ("<think> </think>", 1.0, ""),  # R3's rule: an empty think block is well-formed
     ("no tags here", 0.0, "no tags here"),
     ("<think>unclosed", 0.0, "<think>unclosed"),
     ("text <think>late</think>", 0.0, "text <think>late</think>"),
@@ -61,8 +61,8 @@ def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
     ("<think>the square is missing</think> add a red square on the left", 1.0,
      "add a red square on the left", False),
     ("<think>all there</think> No further edit needed.", 1.0, "No further edit needed.", True),
-    ("<think>all there</think>   ", 0.0, "<think>all there</think>", False),  # nothing after </think>
-    ("no further edit needed", 0.0, "no further edit needed", False),  # no reflection: refined anyway
+    ("<think>all there</think>   ", 0.0, tm.NO_EDIT, True),  # nothing after </think>: no edit
+    ("no further edit needed", 0.0, tm.NO_EDIT, True),  # no reflection: no edit, the image is kept (R3)
 ])
 def test_reflection_format(text, fmt, instruction, no_edit):
     assert tm.reflection_of(text) == (fmt, instruction, no_edit)
@@ -524,7 +524,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
     victim = mixgrpo(cli(tiny, tmp_path / "killed", **args))
     sigkill_when(victim, tmp_path / "killed" / "checkpoint-3" / "trainer_state.json")
     assert not (tmp_path / "killed" / "checkpoint-5").exists()
-    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "buffer.pt").exists()
+    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "images.pt").exists()
     finish(mixgrpo(cli(tiny, tmp_path / "killed", resume_from_checkpoint="latest", **args)))
     full = {m["step"]: m for m in read_jsonl(tmp_path / "full" / "metrics.jsonl")}
     resumed = {m["step"]: m for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")}
@@ -553,7 +553,8 @@ def test_heldout_evaluation_reports_the_shapes_scorers_view(tiny, tmp_path):
     grid = str(tmp_path / "grid.png")
     result = evaluate(tiny, cfg, grid)
     assert os.path.isfile(grid) and result["samples"] == len(rows)
-    assert set(result) == {"reward", "format", "samples", "strict", "detected", "requested"}
+    assert {k for k in result if not k.startswith("tag_")} == {"reward", "format", "samples", "unscored", "strict",
+                                                               "detected", "requested"}
     assert result["requested"] == sum(sum(int(i["count"]) for i in r["include"]) for r in rows) / len(rows)
     assert 0.0 <= result["strict"] <= result["reward"] + 1e-9 <= 1.0 + 1e-9
 
