@@ -101,6 +101,9 @@ class EvalConfig:
     # checkpoint selection
     select_best: Optional[str] = field(default=None, metadata={"help": "score every checkpoint-N in this folder"})
     select_metric: str = choice(*SELECT_METRICS)  # metric that picks the --select_best checkpoint
+    select_include: list[str] = field(default_factory=list, metadata={
+        "help": "models scored with the --select_best checkpoints, before them (step 0, e.g. the run's starting "
+                "model: it wins ties)"})
     # output
     output_dir: Optional[str] = field(default=None, metadata={"help": "default: <model>/eval, or <select_best>/eval"})
 
@@ -114,6 +117,8 @@ def validate(cfg):
     unknown = [m for m in cfg.metrics if m not in METRICS]
     if unknown or not cfg.metrics:
         raise ValueError(f"--metrics {unknown or cfg.metrics}: choose from {', '.join(METRICS)}")
+    if cfg.select_include and not cfg.select_best:
+        raise ValueError("--select_include adds candidates to --select_best: give --select_best too")
     if cfg.select_best:
         if not os.path.isdir(cfg.select_best):
             raise FileNotFoundError(f"--select_best: folder not found: {cfg.select_best}")
@@ -250,14 +255,17 @@ def checkpoints_in(folder):
 def select_best(cfg, rows):
     """Score every checkpoint; the best by --select_metric (ties: the earliest) -> best_checkpoint.json."""
     output_dir = cfg.output_dir or os.path.join(cfg.select_best, "eval")
-    scores = {}
-    for step, path in checkpoints_in(cfg.select_best):
+    scores, steps = {}, {}
+    candidates = [(0, path, f"include-{j}") for j, path in enumerate(cfg.select_include)]
+    candidates += [(step, path, os.path.basename(path)) for step, path in checkpoints_in(cfg.select_best)]
+    for step, path, name in candidates:
         print(f"evaluating {path}", flush=True)
-        metrics = score(cfg, rows, generate(cfg, path, rows), os.path.join(output_dir, os.path.basename(path)))
-        scores[path] = metrics[cfg.select_metric]
+        metrics = score(cfg, rows, generate(cfg, path, rows), os.path.join(output_dir, name))
+        scores[path], steps[path] = metrics[cfg.select_metric], step
         print(f"  {cfg.select_metric} {scores[path]:.4f}", flush=True)
     best = max(scores, key=lambda p: scores[p])  # max keeps the first (earliest) of equal scores
-    result = {"best_checkpoint": best, "metric": cfg.select_metric, "value": scores[best], "scores": scores}
+    result = {"best_checkpoint": best, "best_step": steps[best], "metric": cfg.select_metric, "value": scores[best],
+              "scores": scores, "steps": steps}
     _write_json(os.path.join(output_dir, "best_checkpoint.json"), result)
     print(f"best checkpoint by {cfg.select_metric}: {best} ({scores[best]:.4f})")
     return result

@@ -71,8 +71,9 @@ class JudgeClient:
             self._local.session = requests.Session()
         return self._local.session
 
-    def chat(self, prompt: str, image: Any = None, *, reasoning: bool = False, **params) -> str:
-        """One user turn (image first, then text); returns the assistant's text.
+    def chat(self, prompt: str, image: Any = None, *, reasoning: bool = False, system: str | None = None,
+             **params) -> str:
+        """One user turn (image first, then text), after a `system` turn when given; returns the assistant's text.
 
         `params` go into the request body over the client's defaults (e.g. seed, top_p, temperature). With
         `reasoning`, a reply whose server split the chain of thought off (`reasoning_content`, as vLLM's
@@ -82,7 +83,8 @@ class JudgeClient:
         if image is not None:
             content.append({"type": "image_url", "image_url": {"url": image_data_url(image)}})
         content.append({"type": "text", "text": prompt})
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}],
+        messages = [{"role": "system", "content": system}] if system else []
+        body = {"model": self.model, "messages": messages + [{"role": "user", "content": content}],
                 "temperature": self.temperature, "max_tokens": self.max_tokens, **params}
         headers = {"Authorization": f"Bearer {self.api_key}"}
         last_error = None
