@@ -123,3 +123,35 @@ def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, m
     val = datasets.load_from_disk(str(run / "val-data"))
     assert val["id"] == [r["id"] for r in rows[8:11]]
     assert json.loads((run / "report.json").read_text())["cycles"][0]["picked"]["grpo-medium"]["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_real_cycles_with_validation_picks_and_served_regeneration(distill_world, tmp_path):
+    """The micro cycle of tests/test_iterate.py, really run: each RL stage checkpoints every step, is scored on the
+    validation rows (its start included), the cycle goes on from the pick, and cycle 2's new rows come from cycle 1's
+    model served by `transformers serve`."""
+    import subprocess
+    import sys
+
+    from tests.test_iterate import REPO, _micro_recipe
+
+    values = _micro_recipe(distill_world, tmp_path)
+    values.update(rl_eval_steps=1, val_samples=4, rl_samples=9, next_data_serve=True)
+    recipe = tmp_path / "cycles.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    out = subprocess.run([sys.executable, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=2400)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    run = tmp_path / "run"
+    report = json.loads((run / "report.json").read_text())
+    for cycle in report["cycles"]:
+        assert set(cycle["picked"]) == {"grpo-medium", "grpo-hard"}
+        for stage, pick in cycle["picked"].items():
+            assert set(pick["steps"]) == {"0", "1", "2"} and pick["value"] == max(pick["steps"].values())
+            assert f"{stage} picked step {pick['step']}" in out.stdout
+    hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
+    assert hard["model_name_or_path"] == report["cycles"][0]["picked"]["grpo-medium"]["best_checkpoint"]
+    regenerate = yaml.safe_load((run / "cycle-2" / "data" / "new" / "recipe.yaml").read_text())
+    assert regenerate["model"] == report["cycles"][0]["picked"]["grpo-hard"]["best_checkpoint"]
+    assert regenerate["model_serve"] and (run / "cycle-2" / "data" / "new" / "model_server.log").exists()
