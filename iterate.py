@@ -211,9 +211,9 @@ class Runner:
     def __init__(self, cfg):
         self.cfg = cfg
         self.child = None
-        self.accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-        if not os.path.exists(self.accelerate):
-            self.accelerate = shutil.which("accelerate") or "accelerate"
+        # `accelerate launch` of this interpreter (not whichever `accelerate` is first on PATH): every stage runs in
+        # the environment iterate.py runs in
+        self.accelerate = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 
     def forward_signals(self):
         """SIGTERM / SIGINT to iterate stop the running stage too."""
@@ -226,7 +226,7 @@ class Runner:
         raise SystemExit(128 + signum)
 
     def launch(self, script, recipe):
-        cmd = [self.accelerate, "launch"]
+        cmd = self.accelerate + ["launch"]
         if self.cfg.accelerate_config:
             cmd += ["--config_file", self.cfg.accelerate_config]
         return cmd + [os.path.join(REPO, script), "--config", recipe]

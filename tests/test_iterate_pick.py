@@ -127,21 +127,25 @@ def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, m
 
 @pytest.mark.slow
 @pytest.mark.full
-def test_two_real_cycles_with_validation_picks_and_served_regeneration(distill_world, tmp_path):
-    """The micro cycle of tests/test_iterate.py, really run: each RL stage checkpoints every step, is scored on the
-    validation rows (its start included), the cycle goes on from the pick, and cycle 2's new rows come from cycle 1's
-    model served by `transformers serve`."""
+def test_two_real_cycles_with_validation_picks_and_served_regeneration_on_requirements_txt_alone(distill_world,
+                                                                                                 tmp_path):
+    """The micro cycle of tests/test_iterate.py, really run, in an environment of requirements.txt's packages alone
+    (tests/requirements_env.py): each RL stage checkpoints every step, is scored on the validation rows (its start
+    included), the cycle goes on from the pick, and cycle 2's new rows come from cycle 1's model served by
+    `transformers serve`."""
     import subprocess
-    import sys
 
+    from tests.requirements_env import closure, make_view_venv, pinned
     from tests.test_iterate import REPO, _micro_recipe
 
+    python = make_view_venv(str(tmp_path / "venv"), closure(pinned()))
     values = _micro_recipe(distill_world, tmp_path)
     values.update(rl_eval_steps=1, val_samples=4, rl_samples=9, next_data_serve=True)
     recipe = tmp_path / "cycles.yaml"
     recipe.write_text(yaml.safe_dump(values))
-    out = subprocess.run([sys.executable, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=2400)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    out = subprocess.run([python, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
+                         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=2400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     run = tmp_path / "run"
     report = json.loads((run / "report.json").read_text())

@@ -85,3 +85,11 @@ def test_an_environment_of_requirements_txt_alone_runs_the_scripts_and_serves(tm
     served = run("-c", serve, model)
     assert served.returncode == 0 and served.stdout.strip() == model, served.stderr[-3000:]
     print(f"transformers serve from requirements.txt alone answered in {time.monotonic() - start:.0f} s")
+
+
+def test_training_stages_launch_with_iterates_own_interpreter():
+    """`accelerate launch` of the interpreter iterate.py runs in, not whichever `accelerate` is first on PATH (a
+    stage would otherwise run in another environment than the one checked above)."""
+    command = iterate.Runner(IterateConfig()).launch("train_sft.py", "recipe.yaml")
+    assert command[:4] == [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+    assert command[-3:] == [os.path.join(REPO, "train_sft.py"), "--config", "recipe.yaml"]
