@@ -51,7 +51,7 @@ def mathvista(tmp_path):
 
 @pytest.mark.parametrize("pid, response, correct", [
     ("1", "B", True), ("1", "(B)", True), ("1", "(B) 4", True), ("1", "4", True), ("1", "b", True),
-    ("1", "The answer is \"4\".", True), ("1", "A", False), ("1", "(C) 6", False),
+    ("1", "The answer is \"4\".", True), ("1", "A", False), ("1", "(C) 6", False), ("1", "A length of 6", False),
     ("2", "5", True), ("2", "5 cm", True), ("2", "5.0", True), ("2", "The side is 5 cm long.", True),
     ("2", "6 cm", False), ("2", "", False),
     ("3", "1.2", True), ("3", "1.23", True), ("3", "6/5", True), ("3", "1.3", False),

@@ -149,19 +149,15 @@ class LLMAnswerExtractor:
         return "" if text.lower() in ("null", "none") else text
 
 
-_LETTER = re.compile(r"^\(?([A-Za-z])\)?(?:[.:)]|\s|$)")
+_LETTER = re.compile(r"^(?:\(([A-Za-z])\)|([A-Za-z])(?:[.:)]|$))")  # "(B) ...", "B", "B. ...", "B: ...", not "A cat"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?")
 
 
 def option_letter(text, count):
-    """The option letter a short answer names ("B", "(b)", "B. 5 cm", "B: text"), if it is one of `count`."""
+    """The option letter a short answer names ("B", "(b)", "(B) 4", "B. 5 cm", "B: text"), if one of `count`."""
     match = _LETTER.match(text.strip())
-    if match and (len(text.strip()) <= 2 or text.strip()[len(match.group(0).rstrip()):][:1] in ("", " ")
-                  or match.group(0).rstrip()[-1:] in ".:)"):
-        letter = match.group(1).upper()
-        if ord(letter) - ord("A") < count:
-            return letter
-    return None
+    letter = (match.group(1) or match.group(2)).upper() if match else None
+    return letter if letter and ord(letter) - ord("A") < count else None
 
 
 def last_number(text, unit=None):
