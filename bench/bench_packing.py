@@ -57,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="print each variant's top operators (one extra pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -94,7 +95,9 @@ def build_inputs(args, processor, device, vocab):
     gen = torch.Generator().manual_seed(args.seed)
     width = max(lengths)
     mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
-    ids = torch.randint(10, vocab, (n, width), generator=gen).masked_fill(mask == 0, 0)
+    ids = torch.randint(10, vocab, (n, width), generator=gen)
+    special = torch.tensor(sorted(getattr(processor, "tokenizer", processor).added_tokens_decoder))
+    ids = ids.masked_fill(torch.isin(ids, special), 10).masked_fill(mask == 0, 0)  # no image or role tokens
     prompt_index = torch.arange(args.prompts).repeat_interleave(args.num_generations)
     return prompts, prompt_index.to(device), ids.to(device), mask.to(device), lengths
 
@@ -141,9 +144,16 @@ def worker(args):
     times = [one_pass() for _ in range(args.repeats + 1)][1:]
     peak = ((torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda"
             else rss_mb(peak=True) - base_rss)
+    profile = ""
+    if args.profile:  # where one pass's time goes, by operator (self CPU time)
+        from torch.profiler import profile as profiler
+
+        with profiler() as prof:
+            one_pass()
+        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40)
     tokens = int(prompts["attention_mask"].sum()) + sum(lengths)
     result = dict(variant=args.worker, sec=statistics.median(times), times=times, peak_mb=peak, tokens=tokens,
-                  cpu_sec=statistics.median(cpu_times[1:]),
+                  cpu_sec=statistics.median(cpu_times[1:args.repeats + 1]), profile=profile,
                   tokens_per_sec=tokens / statistics.median(times), completions=len(lengths),
                   completion_tokens=sum(lengths), padded_completion_tokens=len(lengths) * max(lengths))
     with open(args.result, "w") as f:
@@ -157,8 +167,7 @@ def run_variant(args, variant):
            "--num_generations", str(args.num_generations), "--hidden_size", str(args.hidden_size),
            "--num_hidden_layers", str(args.num_hidden_layers), "--repeats", str(args.repeats),
            "--threads", str(args.threads), "--device", args.device, "--seed", str(args.seed)]
-    if args.gradient_checkpointing:
-        cmd.append("--gradient_checkpointing")
+    cmd += ["--gradient_checkpointing"] * args.gradient_checkpointing + ["--profile"] * args.profile
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -189,6 +198,9 @@ def main(args):
     for r in rows:
         print(f"{r['variant']:<8} {r['sec']:>8.3f} {r['cpu_sec']:>8.3f} {r['tokens_per_sec']:>10.0f} "
               f"{r['peak_mb']:>9.0f}")
+    for r in rows:
+        if r["profile"]:
+            print(f"\n{r['variant']}: one pass by operator\n{r['profile']}")
     padded, packed = rows
     ratios = dict(time_ratio=packed["sec"] / padded["sec"], cpu_time_ratio=packed["cpu_sec"] / padded["cpu_sec"],
                   memory_ratio=packed["peak_mb"] / max(padded["peak_mb"], 1e-9))
