@@ -142,9 +142,12 @@ class Packed:
 
 
 def _gather_rows(flat, index, valid):
-    """flat[index] with zeros where ~valid: the padded [B, T, H] view of packed hidden states."""
-    out = flat.index_select(0, index.reshape(-1)).view(*index.shape, flat.shape[-1])
-    return out * valid[..., None].to(out.dtype)
+    """flat[index] where valid, zeros elsewhere: the padded [B, T, H] view of packed hidden states. Only valid
+    positions are read (padding would repeat one index, whose backward scatter-add is slow on the CPU)."""
+    where = valid.reshape(-1).nonzero().squeeze(1)
+    out = flat.new_zeros(valid.numel(), flat.shape[-1])
+    out = out.index_copy(0, where, flat.index_select(0, index.reshape(-1).index_select(0, where)))
+    return out.view(*valid.shape, flat.shape[-1])
 
 
 def _side_inputs(batch):
@@ -219,7 +222,7 @@ def packed_completion_hidden(base, prompts, prompt_index, completion_ids, comple
         for j, i in enumerate(comps, start=1):
             index[i] = torch.where(t == 0, last, packed.start[(u, j)] + t - 1)
     valid = completion_mask.bool()
-    return _gather_rows(flat, index.masked_fill(~valid, 0), valid), packed
+    return _gather_rows(flat, index, valid), packed
 
 
 def packed_sequence_hidden(base, batch, *, max_tokens=None):
@@ -241,4 +244,4 @@ def packed_sequence_hidden(base, batch, *, max_tokens=None):
     t = torch.arange(mask.shape[1], device=device)
     index = torch.stack([packed.start[(s, 0)] + t for s in range(mask.shape[0])])
     valid = mask.bool()
-    return _gather_rows(flat, index.masked_fill(~valid, 0), valid), packed
+    return _gather_rows(flat, index, valid), packed
