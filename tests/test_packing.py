@@ -71,10 +71,10 @@ def assert_same(padded, packed):
         assert (grads_a[name] - grads_b[name]).abs().max() <= GRAD_TOL * scale, name
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt_one_row", "per_completion_prompt_rows"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt", "per_completion_prompt_rows"])
 def test_packed_equals_padded_on_every_family(family, shared, monkeypatch):
-    """Shared prompts in one packed row; per-completion prompts under a token budget that spreads them over
-    several rows (padded to the longest)."""
+    """Shared prompts (a unit: the prompt and its completions); per-completion prompts under a token budget that
+    spreads them over several rows (padded to the longest)."""
     import utils.packing as packing
 
     model, prompts = family["model"], family["prompts"]
@@ -89,16 +89,18 @@ def test_packed_equals_padded_on_every_family(family, shared, monkeypatch):
 
 
 def test_packed_pass_has_no_padding_and_restarts_positions(family, monkeypatch):
-    """Every token of a packed row is a real one: the prompts' valid tokens and each completion's inputs (its
-    last token predicts nothing); positions restart at 0 for each prompt; a token budget splits the rows."""
+    """The packed rows hold the prompts' valid tokens and each completion's inputs (its last token predicts
+    nothing), and a row is no longer than the longest unit; positions restart at 0 for each prompt; a token
+    budget splits the rows further."""
     import utils.packing as packing
 
     model, prompts = family["model"], family["prompts"]
     ids, mask, _ = ragged_completions()
     with torch.no_grad():
         _, packed = packed_completion_hidden(model.base_model, prompts, PROMPT_INDEX, ids, mask)
-        assert packed.tokens == int(prompts["attention_mask"].sum()) + int((mask.sum(-1) - 1).sum())
-        assert packed.input_ids.shape == (1, packed.tokens)
+        units = [int(prompts["attention_mask"][p].sum()) + int((mask[PROMPT_INDEX == p].sum(-1) - 1).sum())
+                 for p in (0, 1)]
+        assert packed.tokens == sum(units) and packed.input_ids.shape[1] == max(units)
         pos = packed.position_ids if packed.position_ids.dim() == 2 else packed.position_ids[0]
         assert pos[0, 0] == 0 and pos.view(-1)[packed.start[(1, 0)]] == 0
         monkeypatch.setattr(packing, "MAX_PACKED_TOKENS", int(prompts["attention_mask"].sum(-1).max()) + 10)

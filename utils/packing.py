@@ -9,8 +9,10 @@ the padded [B, T] layout, so the LM head, the losses and the tests see exactly w
 
 The mask is an explicit 4-D mask (boolean for sdpa, additive for eager), which HF models take as it is; attention
 kernels that take no 4-D mask (flash_attention_2, flex) and families whose image tokens attend bidirectionally
-are refused with the reason (`packing_unsupported_reason`). Rows hold at most `max_tokens` tokens (units are not
-split): the attention of one row costs its length squared, so a long step is spread over several rows.
+are refused with the reason (`packing_unsupported_reason`). Masked attention computes every pair of a row, so a
+row's attention costs its length squared: rows hold at most the longest unit's tokens (units are not split;
+shorter units share a row), which keeps the attention at or under the padded pass's, and never more than
+MAX_PACKED_TOKENS unless one unit is longer.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class Packed:
 
     def __init__(self, pieces, *, max_tokens, device):
         lengths = [sum(p[1].shape[0] for p in unit) for unit in pieces]
-        self.rows = _rows(lengths, max_tokens)
+        self.rows = _rows(lengths, min(max_tokens, max(lengths, default=1)))
         self.width = width = max(1, max(sum(lengths[u] for u in row) for row in self.rows))
         n_rows = len(self.rows)
         mrope = any(p[2].dim() == 2 for unit in pieces for p in unit)
