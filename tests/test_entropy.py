@@ -106,6 +106,7 @@ def test_fused_entropy_and_its_gradient_equal_the_full_softmax(trainable_head):
 # ---- the scripts ----
 
 
+@pytest.mark.slow
 def test_train_grpo_logs_entropy_and_trains_with_the_bonus_and_mask(tmp_path):
     """One packed GRPO step with --entropy_coef and --top_entropy_quantile: entropy and entropy_high_frac in
     metrics.jsonl and in TensorBoard."""
