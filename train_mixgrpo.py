@@ -720,17 +720,18 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
     factor). `model`: the (prepared) MixGRPOModel, called once for both parts. Returns (loss, stats)."""
     loss, stats = torch.zeros((), device=roll["ids"].device), {}
     train_image = cfg.tune_image_cot and roll["steps"] is not None
-    out = model(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if cfg.tune_text_cot else None,
+    out = model(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature, True) if cfg.tune_text_cot else None,
                 image=(step_condition(roll), roll["steps"]) if train_image else None, edit=roll["stage"] == "reflect")
     if cfg.tune_text_cot:
-        logps = out["text"]
+        logps, entropy = out["text"]  # the policy's per-token entropy, from the same fused head pass
         text_loss, st = clipped_policy_loss(logps, roll["old_logps"], adv_text, roll["mask"],
                                             epsilon_low=cfg.clip_range_text, beta=cfg.kl_weight_text,
                                             ref_logps=ref_logps, loss_type="dapo", num_items_in_batch=text_tokens,
-                                            num_processes=world)
+                                            num_processes=world, entropy=entropy)
         loss = loss + cfg.ce_weight * text_loss
         stats.update(loss_text=text_loss.detach(), kl_text=st["kl"], clip_ratio_text=st["clip_ratio"],
-                     ratio_max_dev_text=st["ratio_max_dev"])
+                     ratio_max_dev_text=st["ratio_max_dev"], entropy_text=st["entropy"],
+                     entropy_high_frac_text=st["entropy_high_frac"])
     if train_image:
         steps, of = roll["steps"], roll["step_image"]
         logp, mean, std = out["image"]

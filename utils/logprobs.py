@@ -24,9 +24,10 @@ class CompletionLogProbs(nn.Module):
     keeps DDP gradient hooks and ZeRO-3 parameter gathering working, since everything runs in forward.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, padding_free=False):
         super().__init__()
         self.model = model
+        self.padding_free = padding_free  # one packed pass without padding tokens (utils/packing.py)
         head = hf_core(model).get_output_embeddings()
         self._zero3_register(head)
 
@@ -49,6 +50,12 @@ class CompletionLogProbs(nn.Module):
         """Log-probs [B, T] of the completions. With `prompt_index` ([B], row of `prompt_inputs` for each
         completion) the G completions of a group share one forward pass over their prompt."""
         core = hf_core(self.model)
+        if self.padding_free:
+            from utils.packing import packed_completion_hidden
+
+            hidden, _ = packed_completion_hidden(core.base_model, prompt_inputs, prompt_index, completion_ids,
+                                                 completion_mask)
+            return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
         if prompt_index is not None:
             if not activation_checkpointing_on(core):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
@@ -151,7 +158,7 @@ class AdapterDisabledReference(nn.Module):
             return policy(*args, **kwargs)
 
 
-def prepare_reference_model(cfg, model_path, policy, accelerator):
+def prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=False):
     """A frozen copy of the initial policy for the KL term (only built when beta != 0).
 
     With LoRA the base weights are the reference, so adapters are disabled instead of loading a copy.
@@ -165,7 +172,7 @@ def prepare_reference_model(cfg, model_path, policy, accelerator):
                                       max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
                                       max_anyres_num=cfg.max_anyres_num)
     ref.requires_grad_(False)
-    ref = CompletionLogProbs(ref).eval()
+    ref = CompletionLogProbs(ref, padding_free=padding_free).eval()
     if accelerator.distributed_type.name == "DEEPSPEED":
         import deepspeed
 
