@@ -6,7 +6,7 @@ from torch import nn
 
 from kernels import fused_token_logprobs
 from utils.models import activation_checkpointing_on
-from utils.rollout import cache_kwargs
+from utils.rollout import cache_kwargs, check_features_match_tokens
 
 
 def hf_core(model):
@@ -54,6 +54,7 @@ class CompletionLogProbs(nn.Module):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
                                                    temperature, return_entropy)
             prompt_inputs = expand_prompts(prompt_inputs, prompt_index)
+        check_features_match_tokens(core.config, prompt_inputs)
         input_ids = torch.cat([prompt_inputs["input_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([prompt_inputs["attention_mask"],
                                     completion_mask.to(prompt_inputs["attention_mask"])], dim=1)
@@ -88,6 +89,7 @@ class CompletionLogProbs(nn.Module):
         3-D rope too) are those of the full sequences, as in the unshared forward."""
         from transformers import DynamicCache
 
+        check_features_match_tokens(core.config, prompts)
         base = core.base_model
         idx = torch.as_tensor(prompt_index, device=completion_ids.device)
         p_ids, p_mask = prompts["input_ids"], prompts["attention_mask"]
