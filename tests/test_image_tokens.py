@@ -13,8 +13,8 @@ pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from utils.models import load_model_and_processor
     from tiny.models import make_tiny_vlm
+    from utils.models import load_model_and_processor
 
     path = make_tiny_vlm(str(tmp_path_factory.mktemp("guard") / "qwen"), seed=0)
     return load_model_and_processor(path, dtype="float32")
