@@ -182,28 +182,25 @@ def _qwen_vision_processor(tok, image_size, patch_size, merge_size, video_cls):
     return image_processor, video_cls(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2)
 
 
-def _qwen3_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
-              vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
-    """Qwen3-VL (dense): 16 px patches, learned vision position embeddings, DeepStack (the features of vision
-    block 0 are added to the LM's first hidden layer), interleaved 3-D rope."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
+def _qwen3_vl_like(config_cls, model_cls, tok, image_size, hidden_size, num_hidden_layers, num_attention_heads,
+                   intermediate_size, vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab,
+                   text_extra, vision_extra):
+    """Qwen3-VL and Qwen3.5: 16 px patches, learned vision position embeddings (one per patch of an image_size
+    image), interleaved 3-D rope, Qwen3-VL's processor with Qwen-VL's image processor."""
+    from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     ids = dict(zip(("image", "video", "start", "end"), _token_ids(
         tok, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])))
-    head_dim = hidden_size // num_attention_heads
     text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                         tok.eos_token_id, tok.pad_token_id)
-    text.update(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                                     "mrope_section": _mrope_section(head_dim),
-                                                     "mrope_interleaved": True})
+    text.update(head_dim=hidden_size // num_attention_heads, **text_extra)
     per_side = image_size // patch_size
-    config = Qwen3VLConfig(
+    config = config_cls(
         text_config=text,
         vision_config=dict(
             depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
             num_heads=vision_heads, patch_size=patch_size, spatial_merge_size=merge_size, temporal_patch_size=2,
-            out_hidden_size=hidden_size, num_position_embeddings=per_side * per_side,
-            deepstack_visual_indexes=[0],
+            out_hidden_size=hidden_size, num_position_embeddings=per_side * per_side, **vision_extra,
         ),
         image_token_id=ids["image"], video_token_id=ids["video"],
         vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
@@ -213,47 +210,34 @@ def _qwen3_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_hea
                                                               Qwen3VLVideoProcessor)
     processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                                  chat_template=tok.chat_template)
-    return Qwen3VLForConditionalGeneration(config), processor
+    return model_cls(config), processor
 
 
-def _qwen3_5(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
-             vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
-    """Qwen3.5 (its VLM class): a hybrid LM, Gated DeltaNet linear-attention layers then a full-attention layer
-    (here 1 + 1), Qwen3-VL's vision tower without DeepStack, Qwen3-VL's processor."""
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+def _qwen3_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, *sizes):
+    """Qwen3-VL (dense), with DeepStack: the features of vision block 0 are added to the LM's first hidden layer."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = dict(zip(("image", "video", "start", "end"), _token_ids(
-        tok, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])))
     head_dim = hidden_size // num_attention_heads
-    text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
-                        tok.eos_token_id, tok.pad_token_id)
-    text.update(head_dim=head_dim, layer_types=["linear_attention"] * (num_hidden_layers - 1) + ["full_attention"],
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": _mrope_section(head_dim),
+            "mrope_interleaved": True}
+    return _qwen3_vl_like(Qwen3VLConfig, Qwen3VLForConditionalGeneration, tok, image_size, hidden_size,
+                          num_hidden_layers, num_attention_heads, *sizes, text_extra={"rope_parameters": rope},
+                          vision_extra={"deepstack_visual_indexes": [0]})
+
+
+def _qwen3_5(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, *sizes):
+    """Qwen3.5 (its VLM class): a hybrid LM, Gated DeltaNet linear-attention layers then a full-attention layer
+    (here 1 + 1), a quarter of each head rotated; Qwen3-VL's tower without DeepStack."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    head_dim = hidden_size // num_attention_heads
+    text = dict(layer_types=["linear_attention"] * (num_hidden_layers - 1) + ["full_attention"],
                 linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_num_key_heads=2,
                 linear_num_value_heads=4, linear_conv_kernel_dim=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": _mrope_section(head_dim // 4), "mrope_interleaved": True})
-    per_side = image_size // patch_size
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=dict(
-            depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
-            num_heads=vision_heads, patch_size=patch_size, spatial_merge_size=merge_size, temporal_patch_size=2,
-            out_hidden_size=hidden_size, num_position_embeddings=per_side * per_side,
-        ),
-        image_token_id=ids["image"], video_token_id=ids["video"],
-        vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
-        tie_word_embeddings=True,
-    )
-    image_processor, video_processor = _qwen_vision_processor(tok, image_size, patch_size, merge_size,
-                                                              Qwen3VLVideoProcessor)
-    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                 chat_template=tok.chat_template)
-    return Qwen3_5ForConditionalGeneration(config), processor
+    return _qwen3_vl_like(Qwen3_5Config, Qwen3_5ForConditionalGeneration, tok, image_size, hidden_size,
+                          num_hidden_layers, num_attention_heads, *sizes, text_extra=text, vision_extra={})
 
 
 def _gemma3(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
