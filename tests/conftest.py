@@ -56,3 +56,19 @@ def reasoner_server(distill_world, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("reasoner-server") / "server.log")
     with LocalServer(distill_world[2], device="cpu", log_path=log) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family -> (model, processor) of a tiny family (tests/family_helpers.py), each built once per session."""
+    from tests.family_helpers import build_family
+
+    root = tmp_path_factory.mktemp("families")
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = build_family(str(root / family), family)
+        return built[family]
+
+    return get

@@ -6,40 +6,16 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
-from utils.models import image_token_id, load_model_and_processor
+from utils.models import image_token_id
 from utils.rollout import encode_prompts, image_tokens_per_image
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
-VLM_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl", "internvl3_5", "glm4v", "smolvlm",
-                "llava_onevision"]
-TEXT_FAMILIES = ["qwen3"]
 # The families whose group of completions shares one prompt pass (the rest pay their prompt once per completion).
 SHARED = {"qwen2_5_vl", "qwen3_vl", "gemma3", "glm4v", "smolvlm", "llava_onevision", "qwen3"}
-
-
-@pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """family -> (model, processor), each built once per session and loaded as a user would load it."""
-    from tiny.models import make_tiny_llm, make_tiny_vlm
-
-    root = tmp_path_factory.mktemp("families")
-    built = {}
-
-    def get(family):
-        if family not in built:
-            out = str(root / family)
-            if family in TEXT_FAMILIES:
-                make_tiny_llm(out, family=family, seed=0)
-            else:
-                make_tiny_vlm(out, family=family, seed=0)
-            model, processor = load_model_and_processor(out, dtype="float32")
-            built[family] = (model.eval(), processor)
-        return built[family]
-
-    return get
 
 
 def _image(colour=(200, 30, 30), size=(84, 60)):
