@@ -8,7 +8,7 @@ from PIL import Image
 
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
-from utils.models import image_token_id
+from utils.models import image_token_id, load_model_and_processor
 from utils.rollout import encode_prompts, image_tokens_per_image
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch
 
@@ -141,3 +141,25 @@ def test_shared_prefill_generation_samples_what_repeated_prompts_sample(family_m
     shared, shared_mask = generate_completions(model, prompts, prompt_index=torch.tensor(index), **args)
     assert torch.equal(alone * alone_mask, shared * shared_mask)
 
+
+
+def test_a_family_whose_processor_cannot_run_is_refused_in_one_line(family_models, tmp_path, monkeypatch):
+    """SmolVLM2's SmolVLMProcessor needs num2words (not in requirements.txt): the load fails naming the family and
+    the package, before any weights are read."""
+    import transformers
+
+    from utils.models import ModelLoadError
+
+    model, processor = family_models("smolvlm")
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+
+    def needs_num2words(*args, **kwargs):
+        raise ImportError("Package `num2words` is required to run SmolVLM processor. Install it with `pip install "
+                          "num2words`.\nmore")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", needs_num2words)
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights loaded before the processor was refused"))
+    with pytest.raises(ModelLoadError, match=r"\(idefics3\): its processor needs a package .*`num2words` is required"):
+        load_model_and_processor(str(tmp_path))

@@ -95,8 +95,12 @@ def load_model_and_processor(
     if _is_image_text_to_text(config):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        try:  # the processor first: a family whose processor cannot run here is refused before its weights load
+            processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except ImportError as err:  # e.g. SmolVLM2's SmolVLMProcessor needs num2words
+            raise ModelLoadError(f"model {name_or_path!r} ({config.model_type}): its processor needs a package this "
+                                 f"environment lacks: {(str(err).splitlines() or [''])[0]}") from err
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
-        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         _configure_image_processor(processor, name_or_path, min_pixels, max_pixels, max_anyres_num)
         tokenizer = processor.tokenizer
     else:
