@@ -1,8 +1,9 @@
 """The tiny model families of tiny/models.py as the family tests use them (the `family_models` fixture of
 tests/conftest.py builds each once per session)."""
 
-VLM_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl", "internvl3_5", "glm4v", "smolvlm",
-                "llava_onevision"]
+from tiny.tokenizer import ALL_FAMILIES
+
+VLM_FAMILIES = list(ALL_FAMILIES)
 TEXT_FAMILIES = ["qwen3"]
 
 

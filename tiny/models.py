@@ -1,6 +1,6 @@
 """Tiny models built from configs, so the whole stack runs on a CPU without downloading anything.
 
-- `make_tiny_vlm`: a tiny VLM of one family (tiny.tokenizer.FAMILIES: Qwen2.5-VL (default), Qwen3-VL, Qwen3.5,
+- `make_tiny_vlm`: a tiny VLM of one family (tiny.tokenizer.ALL_FAMILIES: Qwen2.5-VL (default), Qwen3-VL, Qwen3.5,
   Gemma 3, InternVL3 / InternVL3.5, GLM-4.1V, SmolVLM, LLaVA-OneVision) with transformers' own classes and
   processors, saved as an ordinary HF folder (`AutoModelForImageTextToText` / `AutoProcessor` load it).
 - `make_tiny_llm`: a tiny text-only Qwen2 or Qwen3 causal LM with the same tokenizer and chat template.
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from tiny.tokenizer import _FAMILY_TOKENS, DEFAULT_BPE_VOCAB, FAMILIES, _token_ids, make_tiny_tokenizer
+from tiny.tokenizer import _FAMILY_TOKENS, ALL_FAMILIES, DEFAULT_BPE_VOCAB, _token_ids, make_tiny_tokenizer
 from utils.models import ModelLoadError, resolve_dtype
 
 # --------------------------------------------------------------------------------------------------
@@ -416,7 +416,7 @@ def make_tiny_vlm(
     (pixel shuffle 0.5) between <img> and </img>. GLM-4V: 9 `<|image|>` tokens. Returns out_dir.
     """
     if family not in _BUILDERS:
-        raise ValueError(f"make_tiny_vlm: unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"make_tiny_vlm: unknown family {family!r}; choose one of {ALL_FAMILIES}")
     sizes = {"image_size": 84, "patch_size": 14, **FAMILY_DEFAULTS.get(family, {})}
     image_size, patch_size = image_size or sizes["image_size"], patch_size or sizes["patch_size"]
     tok = make_tiny_tokenizer(family, vocab_size=vocab_size)
