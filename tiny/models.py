@@ -7,6 +7,7 @@
 - `make_tiny_flow_model`: a tiny diffusers flow-matching generator (SD3 transformer, VAE, scheduler).
 
 All share the byte-level BPE of `tiny.tokenizer`. Weights are random but deterministic for a seed.
+Over 400 lines on purpose: each family's builder sits beside the others, so their differences read side by side.
 """
 
 from __future__ import annotations

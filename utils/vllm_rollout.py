@@ -82,27 +82,16 @@ def is_vision_language(model_config):
     return hasattr(model_config, "vision_config")
 
 
-# vLLM's processors for these families take videos too (their supported limits name "video"); a video limit of 0
-# keeps the engine from reserving memory (its profiling run) for a video a training prompt never holds. Families
-# whose vLLM processor knows images only (Gemma 3, Idefics3/SmolVLM) would refuse a "video" key.
+# vLLM's processors for these families take videos too: a video limit of 0 spares the memory vLLM would reserve for
+# one (Gemma 3's and Idefics3's vLLM processors take images only and would refuse a "video" key).
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision")
 _PAN_AND_SCAN = ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate")
 
 
-def mm_limits(model_type, max_images_per_prompt):
-    """`limit_mm_per_prompt` for a vision-language family."""
-    limits = {"image": max_images_per_prompt}
-    if model_type in VIDEO_FAMILIES:
-        limits["video"] = 0
-    return limits
-
-
 def mm_processor_kwargs(processor=None, cfg=None):
-    """The image budget the trainer's processor uses, for vLLM's own processor, so that vLLM expands each image to
-    the tokens the trainer's prompt ids hold: Qwen-VL/GLM pixel limits (`size` shortest/longest edge), InternVL's
-    tile limits, SmolVLM/Idefics3's resize edge (`size` longest_edge; vLLM's Idefics3 processor reads it and needs it
-    a multiple of the tile edge), Gemma 3's pan-and-scan switch and crop settings (vLLM counts crops from them).
-    From the processor itself when given, else from the flags."""
+    """The image budget of the trainer's processor for vLLM's own, so each image expands to the tokens the trainer's
+    prompt ids hold: Qwen-VL/GLM `size` (pixel budget), InternVL tile limits, Idefics3/SmolVLM `size` longest_edge
+    (vLLM needs it a multiple of the tile edge), Gemma 3 pan-and-scan. From the processor, else from the flags."""
     image_processor = getattr(processor, "image_processor", None)
     out = {}
     if image_processor is not None:
@@ -114,9 +103,8 @@ def mm_processor_kwargs(processor=None, cfg=None):
         if getattr(image_processor, "crop_to_patches", False) and getattr(image_processor, "max_patches", None):
             out.update(crop_to_patches=True, max_patches=int(image_processor.max_patches))
         if getattr(image_processor, "do_pan_and_scan", None) is not None:
-            out["do_pan_and_scan"] = bool(image_processor.do_pan_and_scan)
-            if out["do_pan_and_scan"]:
-                out.update({name: getattr(image_processor, name) for name in _PAN_AND_SCAN})
+            on = out["do_pan_and_scan"] = bool(image_processor.do_pan_and_scan)
+            out.update({name: getattr(image_processor, name) for name in _PAN_AND_SCAN if on})
     elif cfg is not None:
         for name in ("min_pixels", "max_pixels"):  # overrides vLLM's Qwen-VL processors understand
             if getattr(cfg, name, None) is not None:
@@ -145,7 +133,8 @@ def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max
                     max_num_batched_tokens=flag(cfg, "vllm_max_num_batched_tokens"))
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if vision_language:  # vLLM refuses limit_mm_per_prompt for text-only models
-        kwargs["limit_mm_per_prompt"] = mm_limits(model_type, max_images_per_prompt)
+        video = {"video": 0} if model_type in VIDEO_FAMILIES else {}
+        kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, **video}
         if mm_kwargs:
             kwargs["mm_processor_kwargs"] = dict(mm_kwargs)
     return kwargs
