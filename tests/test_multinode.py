@@ -2,6 +2,7 @@
 (plain `--cpu` runs and DeepSpeed's multinode ZeRO-3 config) and trains exactly as one machine with N processes."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -93,8 +94,15 @@ def _start(launch_args, script_args, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(*procs):
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+def _finish(*procs, timeout=600):
+    """Wait for every launcher; on a hang (a rendezvous nobody joins) kill their process groups and fail."""
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"a launch ran over {timeout} s")
     for p, out in zip(procs, outs):
         assert p.returncode == 0, "\n".join(line for line in out.splitlines() if "rror" in line)[-3000:]
 
