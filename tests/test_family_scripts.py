@@ -1,9 +1,10 @@
-"""The new tiny families through the training scripts, in process: train_grpo.py (HF rollout, the shared prompt
-pass where the family has it, two steps and a checkpoint) and train_sft.py (one step)."""
+"""The new tiny families through the scripts, in process: train_grpo.py (HF rollout, the shared prompt pass where the
+family has it, two steps and a checkpoint), evaluate.py on that checkpoint (VLMs) and train_sft.py (one step)."""
 
 import pytest
 from datasets import DatasetDict
 
+import evaluate
 import train_grpo
 import train_sft
 from tiny.shapes import make_shapes_vqa
@@ -51,6 +52,11 @@ def test_family_trains_with_grpo_and_sft(shapes, tmp_path, family):
     metrics = read_jsonl(tmp_path / "grpo" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["grad_norm"] > 0
     assert (tmp_path / "grpo" / "checkpoint-2" / "model.safetensors").is_file()
+    if family != "qwen3":  # the checkpoint loads back as its family and evaluates on the held-out rows
+        result = evaluate.main(evaluate.EvalConfig(model=str(tmp_path / "grpo" / "checkpoint-2"), dataset=shapes,
+                                                   max_new_tokens=6, batch_size=4, seed=0,
+                                                   output_dir=str(tmp_path / "eval")))
+        assert result["samples"] == 4
     try:
         train_sft.main(train_sft.SFTConfig(
             model_name_or_path=model, dataset_name=shapes, output_dir=str(tmp_path / "sft"),
