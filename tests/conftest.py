@@ -63,3 +63,19 @@ def reasoner_server(distill_world, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family -> (model, processor) of a tiny family (tests/family_helpers.py), each built once per session."""
+    from tests.family_helpers import build_family
+
+    root = tmp_path_factory.mktemp("families")
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = build_family(str(root / family), family)
+        return built[family]
+
+    return get

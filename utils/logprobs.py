@@ -6,7 +6,7 @@ from torch import nn
 
 from kernels import fused_token_logprobs
 from utils.models import activation_checkpointing_on
-from utils.rollout import cache_kwargs
+from utils.rollout import cache_kwargs, check_features_match_tokens
 
 
 def hf_core(model):
@@ -61,6 +61,7 @@ class CompletionLogProbs(nn.Module):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
                                                    temperature, return_entropy)
             prompt_inputs = expand_prompts(prompt_inputs, prompt_index)
+        check_features_match_tokens(core.config, prompt_inputs)
         input_ids = torch.cat([prompt_inputs["input_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([prompt_inputs["attention_mask"],
                                     completion_mask.to(prompt_inputs["attention_mask"])], dim=1)
@@ -95,6 +96,7 @@ class CompletionLogProbs(nn.Module):
         3-D rope too) are those of the full sequences, as in the unshared forward."""
         from transformers import DynamicCache
 
+        check_features_match_tokens(core.config, prompts)
         base = core.base_model
         idx = torch.as_tensor(prompt_index, device=completion_ids.device)
         p_ids, p_mask = prompts["input_ids"], prompts["attention_mask"]
@@ -120,13 +122,22 @@ class CompletionLogProbs(nn.Module):
         return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
 
 
+# Families whose prompt pass (vision tower, rope, image attention) is exact when shared by a group's completions,
+# with one image per prompt: Qwen-VL's and GLM's flattened patches split per prompt by image_grid_thw (Qwen3-VL's
+# DeepStack features only touch the prompt's image positions, its interleaved rope is rebuilt on the full
+# sequences); Gemma 3's soft tokens attend to each other only inside the prompt pass (token_type_ids) and its
+# pixel rows are one per image (no pan-and-scan crops: see shared_prompt_pixel_rows); SmolVLM/Idefics3 and
+# LLaVA-OneVision keep one pixel row per prompt. docs/models.md lists the families left out and why.
+SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "gemma3", "idefics3", "llava_onevision")
+
+
 def can_share_prompts(model, images_per_prompt):
-    """Whether a group's completions can share one prompt pass: text-only models, and Qwen-VL models with
-    one image per prompt (their flattened pixel_values split per prompt by image_grid_thw)."""
+    """Whether a group's completions can share one prompt pass: text-only models, and the SHARED_PROMPT_FAMILIES
+    with one image per prompt."""
     config = hf_core(model).config
     if all(n == 0 for n in images_per_prompt):
         return not hasattr(config, "vision_config")
-    return config.model_type in ("qwen2_vl", "qwen2_5_vl") and all(n == 1 for n in images_per_prompt)
+    return config.model_type in SHARED_PROMPT_FAMILIES and all(n == 1 for n in images_per_prompt)
 
 
 def expand_prompts(prompts, prompt_index):
