@@ -167,10 +167,13 @@ def _micro_recipe(distill_world, tmp_path):
         evaluate=dict(metrics=["accuracy", "keywords"], max_new_tokens=16, batch_size=8, cpu_threads=1))
 
 
+# One cycle in the fast tier (the kill, the resume, every stage once); two in the full tier (cycle 2's data mix and
+# its SFT from the base model).
 @pytest.mark.slow
-def test_two_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp_path):
+@pytest.mark.parametrize("cycles", [1, pytest.param(2, marks=pytest.mark.full)])
+def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp_path, cycles):
     recipe = tmp_path / "cycles.yaml"
-    recipe.write_text(yaml.safe_dump(_micro_recipe(distill_world, tmp_path)))
+    recipe.write_text(yaml.safe_dump(dict(_micro_recipe(distill_world, tmp_path), num_cycles=cycles)))
     run = tmp_path / "run"
 
     def launch():
@@ -187,15 +190,18 @@ def test_two_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world,
     assert {p: (p.read_text(), p.stat().st_mtime) for p in finished} == finished  # never redone
     assert "resumed from" in (run / "cycle-1" / "sft" / "stage.log").read_text()  # from its last checkpoint
     report = json.loads((run / "report.json").read_text())
-    assert [c["cycle"] for c in report["cycles"]] == [1, 2]
+    assert [c["cycle"] for c in report["cycles"]] == list(range(1, cycles + 1))
     for cycle in report["cycles"]:
         assert set(cycle["stages"]) == {"sft", "grpo-medium", "grpo-hard"}
         assert all(0.0 <= s["accuracy"] <= 1.0 for s in cycle["stages"].values())
-    assert report["cycles"][1]["data"]["mix"]["from_previous"] == 3
+    if cycles == 2:
+        assert report["cycles"][1]["data"]["mix"]["from_previous"] == 3
     assert set(report["claims"]) == {"each_sft_above_base", "last_rl_above_first_rl", "rl_above_previous_cycle_rl"}
     assert (run / "report.png").exists()
-    # every stage ran through its own recipe, the SFT of both cycles from the base model
-    base = yaml.safe_load((run / "cycle-2" / "sft" / "recipe.yaml").read_text())["model_name_or_path"]
-    assert base == yaml.safe_load((run / "cycle-1" / "sft" / "recipe.yaml").read_text())["model_name_or_path"]
+    # every stage ran through its own recipe, the SFT of every cycle from the base model
+    base = yaml.safe_load((run / "cycle-1" / "sft" / "recipe.yaml").read_text())["model_name_or_path"]
+    assert base == yaml.safe_load(recipe.read_text())["base_model"]
+    if cycles == 2:
+        assert base == yaml.safe_load((run / "cycle-2" / "sft" / "recipe.yaml").read_text())["model_name_or_path"]
     hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
     assert hard["model_name_or_path"].startswith(str(run / "cycle-1" / "grpo-medium" / "checkpoint-"))
