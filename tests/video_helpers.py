@@ -51,3 +51,15 @@ def write_frames(folder, n_frames=6, *, height=48, width=96):
         PIL.Image.fromarray(bar_frame(i, height, width)).save(path)
         paths.append(path)
     return paths
+
+
+def write_headers_only(path):
+    """A Matroska file whose headers declare a video stream but which holds no frames (cut before the first
+    cluster): it opens, and decodes to zero frames."""
+    full = write_video(str(path) + ".full.mkv", n_frames=4)
+    with open(full, "rb") as f:
+        data = f.read()
+    os.remove(full)
+    with open(path, "wb") as f:
+        f.write(data[: data.index(b"\x1f\x43\xb6\x75")])  # the Matroska Cluster element id
+    return str(path)

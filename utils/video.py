@@ -25,6 +25,7 @@ resizing are switched off, so the HF processor and vLLM (whose resize is a no-op
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -152,6 +153,8 @@ def _open_container(path: str):
 
     try:
         container = av.open(path)
+    except av.error.EOFError as error:  # headers, then nothing: the probe for stream details ran out of file
+        raise VideoError(f"video '{path}' has no decodable frames (the file ends before its first frame)") from error
     except Exception as error:  # av raises several error types for unreadable files
         raise VideoError(f"unreadable video '{path}': {type(error).__name__}: {error}") from error
     if not container.streams.video:
@@ -170,8 +173,9 @@ def _stream_info(path: str) -> tuple[int, float | None]:
         container.close()
 
 
-def _decode(path: str, keep: set[int]) -> tuple[dict, int]:
-    """({index: HxWx3 uint8 array} for the indices in `keep`, the number of frames decoded)."""
+def _decode(path: str, keep: set[int], stop_after: int | None = None) -> tuple[dict, int]:
+    """({index: HxWx3 uint8 array} for the indices in `keep`, the number of frames decoded); zero frames is an
+    error."""
     container = _open_container(path)
     kept, count = {}, 0
     try:
@@ -179,10 +183,15 @@ def _decode(path: str, keep: set[int]) -> tuple[dict, int]:
             if count in keep:
                 kept[count] = frame.to_ndarray(format="rgb24")
             count += 1
+            if count == stop_after:
+                break
     except Exception as error:
-        raise VideoError(f"unreadable video '{path}' at frame {count}: {type(error).__name__}: {error}") from error
+        what = "has no decodable frames" if count == 0 else f"is unreadable at frame {count}"
+        raise VideoError(f"video '{path}' {what}: {type(error).__name__}: {error}") from error
     finally:
         container.close()
+    if count == 0:
+        raise VideoError(f"video '{path}' has no decodable frames")
     return kept, count
 
 
@@ -203,21 +212,9 @@ def probe(video) -> int:
         return len(frames)
     if not os.path.isfile(video):
         raise VideoError(f"video file not found: '{video}'")
-    container = _open_container(video)
-    try:
-        stream = container.streams.video[0]
-        frames = stream.frames
-        for _ in container.decode(stream):
-            break
-        else:
-            raise VideoError(f"video '{video}' has no decodable frames")
-    except VideoError:
-        raise
-    except Exception as error:
-        raise VideoError(f"unreadable video '{video}': {type(error).__name__}: {error}") from error
-    finally:
-        container.close()
-    return int(frames) if frames else 1
+    declared, _ = _stream_info(video)
+    _decode(video, set(), stop_after=1)
+    return declared or 1
 
 
 def _resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -252,8 +249,6 @@ def load_clip(video, budget: VideoBudget) -> Clip:
         declared, rate = _stream_info(video)
         rate = rate or budget.fps
         arrays, total = _decode(video, set(sample_indices(declared, rate, budget)) if declared else set())
-        if total == 0:
-            raise VideoError(f"video '{video}' has no decodable frames")
         indices = sample_indices(total, rate, budget)
         if total != declared:  # the container's count was missing or an estimate: sample the true count
             arrays, _ = _decode(video, set(indices))
@@ -295,3 +290,40 @@ def tokens_per_frame(height: int, width: int, budget: VideoBudget) -> float:
 
 def count_markers(texts) -> int:
     return sum(text.count(VIDEO_MARKER) for text in texts)
+
+
+def load_clips(videos_per_row, budget: VideoBudget) -> list[list[Clip]]:
+    """Clips for a batch: one list per row of its videos (see `utils.data.videos_of`)."""
+    return [[load_clip(video, budget) for video in videos] for videos in videos_per_row]
+
+
+def video_token_runs(input_ids, video_token_id: int) -> list[list[int]]:
+    """Per row, the lengths of its runs of consecutive video tokens (one run per video)."""
+    runs = []
+    for row in input_ids.tolist():
+        lengths, current = [], 0
+        for token in row + [None]:
+            if token == video_token_id:
+                current += 1
+            elif current:
+                lengths.append(current)
+                current = 0
+        runs.append(lengths)
+    return runs
+
+
+def check_video_tokens(processor, input_ids, video_grid_thw, clips_per_row, sample_ids) -> None:
+    """The video-token guard: every row holds, in order, one run of exactly the tokens each of its videos expands
+    to. A cut video (a prompt cut inside it), a repeated or a missing one is an error naming the sample and video."""
+    video_token_id = getattr(processor, "video_token_id", None)
+    if video_token_id is None:
+        return
+    merge = int(getattr(processor.video_processor, "merge_size", 1)) ** 2
+    grids = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
+    for sid, runs, clips in zip(sample_ids, video_token_runs(input_ids, video_token_id), clips_per_row):
+        expected = [math.prod(next(grids)) // merge for _ in clips]
+        if runs != expected:
+            sources = ", ".join(c.source for c in clips) or "none"
+            raise InputError(f"sample {sid!r}: video tokens {runs} do not match its videos {expected} "
+                             f"(videos: {sources}); a video cut by a length limit or a repeated/missing <video> "
+                             "placeholder")
