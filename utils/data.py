@@ -205,14 +205,7 @@ def _missing_stored(array) -> list[bool]:
 
 def _check_path(source: _Source, row: int, column: str, value, check) -> str:
     """An absolute path for an image path cell, after checking it exists (and opens)."""
-    if not isinstance(value, str) or not value.strip():
-        source.fail(row, column, f"expected an image path, got {value!r}")
-    path = os.path.expanduser(value)
-    if not os.path.isabs(path):
-        base = source.base_for(row)
-        if base is None:
-            source.fail(row, column, f"relative image path '{value}' cannot be resolved for a hub dataset")
-        path = os.path.join(base, path)
+    path = _resolve(source, row, column, value, "image")
     if check and not os.path.isfile(path):
         source.fail(row, column, f"image file not found: '{path}'")
     if check is True:
@@ -280,7 +273,7 @@ def _image_cells(table, source, column, check, *, many: bool) -> tuple[list | No
 
 def _resolve(source: _Source, row: int, column: str, value, what: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        source.fail(row, column, f"expected a {what} path, got {value!r}")
+        source.fail(row, column, f"expected {'an' if what[0] in 'aeiou' else 'a'} {what} path, got {value!r}")
     path = os.path.expanduser(value)
     if not os.path.isabs(path):
         base = source.base_for(row)

@@ -327,3 +327,26 @@ def check_video_tokens(processor, input_ids, video_grid_thw, clips_per_row, samp
             raise InputError(f"sample {sid!r}: video tokens {runs} do not match its videos {expected} "
                              f"(videos: {sources}); a video cut by a length limit or a repeated/missing <video> "
                              "placeholder")
+
+
+VIDEO_FLAG_HELP = {
+    "fps": "video frames sampled per second (a frame folder or list counts as a clip at this rate); none: 2",
+    "max_frames": "most frames per video, floored to the model's temporal patch; none: the video processor's",
+    "video_max_pixels": "max pixels per video frame (Qwen-style video processors); none: the video processor's",
+    "video_min_pixels": "min pixels per video frame (Qwen-style video processors); none: the video processor's",
+    "video_total_pixels": "pixels per video, shared by its frames (qwen-vl-utils' total_pixels); none: 128000 "
+                          "tokens' worth x 0.9",
+}
+
+
+def video_flag(name: str):
+    """A fresh dataclass field for one of the video budget flags (the same help in every script)."""
+    from dataclasses import field
+
+    return field(default=None, metadata={"help": VIDEO_FLAG_HELP[name]})
+
+
+def budget_from_config(processor, cfg) -> VideoBudget:
+    """The budget of a script's flags (`video_flag` fields)."""
+    return budget_for(processor, fps=cfg.fps, max_frames=cfg.max_frames, min_pixels=cfg.video_min_pixels,
+                      max_pixels=cfg.video_max_pixels, total_pixels=cfg.video_total_pixels)
