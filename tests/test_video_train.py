@@ -59,3 +59,78 @@ def test_train_sft_on_video_rows_lowers_the_loss(media, qwen, tmp_path):
         losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
     assert len(losses) == 3 and losses[2] < losses[0]
     assert os.path.isfile(out / "checkpoint-3" / "model.safetensors")
+
+
+def _prompts(processor, media, *, shared):
+    """Two prompts with one video each (different timing: 1.6 and 1 sampled frames/s);
+    completions: G = 2 per prompt."""
+    from utils.prompts import build_messages
+    from utils.rollout import encode_prompts
+    from utils.video import load_clips
+
+    clips = load_clips([[str(media / "clip.mp4")], [str(media / "slow.mp4")]], BUDGET)
+    assert clips[0][0].sampled_fps != clips[1][0].sampled_fps
+    messages = [build_messages("Which way?", num_images=0, num_videos=1, template="plain"),
+                build_messages("And now?", num_images=0, num_videos=1, template="plain")]
+    index = [0, 0, 1, 1]
+    rows = [0, 1] if shared else index
+    batch = encode_prompts(processor, [messages[i] for i in rows], [[] for _ in rows],
+                           sample_ids=[str(i) for i in rows], videos=[clips[i] for i in rows])
+    return batch, (torch.tensor(index) if shared else None)
+
+
+def _completions(processor):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 200, (4, 6), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    return ids.masked_fill(mask == 0, processor.tokenizer.pad_token_id), mask
+
+
+def _plain_forward_logprobs(model, batch, ids, mask, **override):
+    """Log-probs of the completions from one ordinary forward of the whole sequences (the model's own rope)."""
+    inputs = {**batch, **override}
+    full = torch.cat([inputs["input_ids"], ids], 1)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    out = model(input_ids=full, attention_mask=torch.cat([inputs["attention_mask"], mask], 1),
+                mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ids)], 1), **extra)
+    logits = out.logits[:, inputs["input_ids"].shape[1] - 1: -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] * mask
+
+
+@torch.no_grad()
+def test_video_log_probs_shared_and_unshared_equal_a_plain_forward_with_video_timing(media, qwen):
+    from utils.logprobs import CompletionLogProbs, can_share_prompts
+
+    _, model, processor = qwen
+    assert can_share_prompts(model, [0, 0], [1, 1]) and not can_share_prompts(model, [0, 0], [2, 1])
+    ids, mask = _completions(processor)
+    expanded, _ = _prompts(processor, media, shared=False)
+    shared, index = _prompts(processor, media, shared=True)
+    assert expanded["second_per_grid_ts"].tolist() == pytest.approx([2 / 1.6, 2 / 1.6, 2.0, 2.0])
+    reference = _plain_forward_logprobs(model, expanded, ids, mask)
+    scorer = CompletionLogProbs(model).eval()
+    unshared = scorer(expanded, ids, mask)
+    together = scorer(shared, ids, mask, prompt_index=index)
+    torch.testing.assert_close(unshared * mask, reference, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(together * mask, reference, atol=2e-5, rtol=1e-4)
+    # the timing is in the rope: other second_per_grid_ts give other log-probs, so the equalities above need it
+    retimed = _plain_forward_logprobs(model, expanded, ids, mask,
+                                      second_per_grid_ts=expanded["second_per_grid_ts"] * 4)
+    assert (retimed - reference).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_video_rollout_with_a_shared_prefill_samples_what_the_unshared_one_does(media, qwen):
+    from utils.rollout import completion_seeds, generate_completions
+
+    _, model, processor = qwen
+    expanded, _ = _prompts(processor, media, shared=False)
+    shared, index = _prompts(processor, media, shared=True)
+    seeds = completion_seeds(0, 0, range(4))
+    kwargs = dict(row_seeds=seeds, max_new_tokens=5, temperature=1.0, eos_token_id=[processor.tokenizer.eos_token_id],
+                  pad_token_id=processor.tokenizer.pad_token_id)
+    alone, alone_mask = generate_completions(model, expanded, **kwargs)
+    together, together_mask = generate_completions(model, shared, prompt_index=index, **kwargs)
+    assert torch.equal(alone, together) and torch.equal(alone_mask, together_mask)

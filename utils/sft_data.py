@@ -137,7 +137,7 @@ def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length
     try:
         batch = processor(**kwargs)
     except (ValueError, IndexError, RuntimeError) as err:
-        raise_for_sample(processor, sample_ids, texts, images, err)
+        raise_for_sample(processor, sample_ids, texts, images, err, videos=clips)
 
     offsets = batch.pop("offset_mapping")
     replacements = batch.pop("text_replacement_offsets", None)

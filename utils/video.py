@@ -25,6 +25,7 @@ resizing are switched off, so the HF processor and vLLM (whose resize is a no-op
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -293,8 +294,14 @@ def count_markers(texts) -> int:
 
 
 def load_clips(videos_per_row, budget: VideoBudget) -> list[list[Clip]]:
-    """Clips for a batch: one list per row of its videos (see `utils.data.videos_of`)."""
-    return [[load_clip(video, budget) for video in videos] for videos in videos_per_row]
+    """Clips for a batch: one list per row of its videos (see `utils.data.videos_of`). The last clips are kept
+    (a group's prompt is encoded for the rollout, then again for vLLM or a regrouped micro-batch)."""
+    return [[_cached_clip(tuple(v) if isinstance(v, list) else v, budget) for v in videos] for videos in videos_per_row]
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_clip(video, budget: VideoBudget) -> Clip:
+    return load_clip(list(video) if isinstance(video, tuple) else video, budget)
 
 
 def video_token_runs(input_ids, video_token_id: int) -> list[list[int]]:
@@ -350,3 +357,30 @@ def budget_from_config(processor, cfg) -> VideoBudget:
     """The budget of a script's flags (`video_flag` fields)."""
     return budget_for(processor, fps=cfg.fps, max_frames=cfg.max_frames, min_pixels=cfg.video_min_pixels,
                       max_pixels=cfg.video_max_pixels, total_pixels=cfg.video_total_pixels)
+
+
+def vllm_video(clip: Clip) -> tuple:
+    """A clip as vLLM's `multi_modal_data["video"]` item: frames [T, H, W, 3] uint8 and metadata that says they are
+    already sampled (at `sampled_fps`, so vLLM's processor derives the same second_per_grid_ts)."""
+    frames = clip.frames.permute(0, 2, 3, 1).contiguous().numpy()
+    count = frames.shape[0]
+    return frames, {"fps": clip.sampled_fps, "total_num_frames": count, "frames_indices": list(range(count)),
+                    "duration": count / clip.sampled_fps, "video_backend": "pyav", "do_sample_frames": False}
+
+
+def vllm_video_processor_kwargs(budget: VideoBudget) -> dict:
+    """vLLM's `mm_processor_kwargs` entry for videos: no resampling of the frames it is given, and the per-frame
+    pixel bounds of the flags, under which smart_resize leaves frames sized by `load_clip` as they are (the bounds
+    still size vLLM's own dummy videos when it profiles memory)."""
+    return {"videos_kwargs": {"do_sample_frames": False, "cap_pixels_per_frame": False,
+                              "size": {"shortest_edge": budget.min_pixels, "longest_edge": budget.max_pixels}}}
+
+
+def row_clips(processor, rows, cfg) -> list[list[Clip]]:
+    """The clips of data rows (column 'videos'), under the budget of a script's flags; [] per row without video."""
+    from utils.data import videos_of
+
+    videos = [videos_of(row) for row in rows]
+    if not any(videos):
+        return [[] for _ in rows]
+    return load_clips(videos, budget_from_config(processor, cfg))

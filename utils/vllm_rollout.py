@@ -28,6 +28,7 @@ import torch
 
 from utils.logprobs import hf_core
 from utils.rollout import completion_mask, encode_prompts, special_token_ids_to_suppress
+from utils.video import vllm_video, vllm_video_processor_kwargs
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 FLAG_DEFAULTS = {
@@ -82,9 +83,10 @@ def is_vision_language(model_config):
     return hasattr(model_config, "vision_config")
 
 
-def mm_processor_kwargs(processor=None, cfg=None):
+def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
     """The image budget the trainer's processor uses, for vLLM's own processor: Qwen-style pixel limits
-    (`size`), tile limits of tiling processors. From the processor itself when given, else from the flags."""
+    (`size`), tile limits of tiling processors. From the processor itself when given, else from the flags.
+    With a `video_budget` (utils.video), the video processor's bounds and no resampling of the given frames."""
     image_processor = getattr(processor, "image_processor", None)
     out = {}
     if image_processor is not None:
@@ -99,10 +101,13 @@ def mm_processor_kwargs(processor=None, cfg=None):
                 out[name] = int(getattr(cfg, name))
         if getattr(cfg, "max_anyres_num", None) is not None:
             out.update(crop_to_patches=True, max_patches=int(cfg.max_anyres_num))
+    if video_budget is not None:
+        out.update(vllm_video_processor_kwargs(video_budget))
     return out
 
 
-def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max_images_per_prompt=4):
+def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max_images_per_prompt=4,
+                  max_videos_per_prompt=0):
     """Arguments of `vllm.LLM` for one colocated engine."""
     max_len = flag(cfg, "vllm_max_model_len")
     if max_len is None and getattr(cfg, "max_prompt_length", None):
@@ -121,6 +126,8 @@ def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if vision_language:  # vLLM refuses limit_mm_per_prompt for text-only models
         kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
+        if max_videos_per_prompt:
+            kwargs["limit_mm_per_prompt"]["video"] = max_videos_per_prompt
         if mm_kwargs:
             kwargs["mm_processor_kwargs"] = dict(mm_kwargs)
     return kwargs
@@ -145,13 +152,15 @@ def prompt_token_ids(prompt_batch, prompt_index=None):
     return rows if prompt_index is None else [rows[i] for i in torch.as_tensor(prompt_index).tolist()]
 
 
-def vllm_prompts(token_ids, images):
-    """vLLM prompt dicts: token ids plus the images they hold placeholders for."""
+def vllm_prompts(token_ids, images, videos=None):
+    """vLLM prompt dicts: token ids plus the images (and `utils.video.Clip`s) they hold placeholders for."""
     out = []
-    for ids, imgs in zip(token_ids, images):
+    for k, (ids, imgs) in enumerate(zip(token_ids, images)):
         row = {"prompt_token_ids": list(ids)}
         if imgs:
             row["multi_modal_data"] = {"image": list(imgs) if len(imgs) > 1 else imgs[0]}
+        if videos and videos[k]:
+            row.setdefault("multi_modal_data", {})["video"] = [vllm_video(clip) for clip in videos[k]]
         out.append(row)
     return out
 
@@ -289,7 +298,7 @@ class VLLMRollout:
     """One colocated vLLM engine per process. `vllm` (the module) is injectable for tests."""
 
     def __init__(self, model_path, accelerator, cfg, *, processor=None, model_config=None, max_images_per_prompt=4,
-                 vllm=None):
+                 vllm=None, max_videos_per_prompt=0, video_budget=None):
         vllm = vllm or require_vllm()
         self.vllm, self.accelerator, self.cfg = vllm, accelerator, cfg
         if model_config is None:
@@ -304,7 +313,8 @@ class VLLMRollout:
         set_distributed_env(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes)
         self.llm = vllm.LLM(**engine_kwargs(
             model_path, cfg, vision_language=self.vision_language, seed=cfg.seed + accelerator.process_index,
-            mm_kwargs=mm_processor_kwargs(processor, cfg), max_images_per_prompt=max_images_per_prompt))
+            mm_kwargs=mm_processor_kwargs(processor, cfg, video_budget), max_images_per_prompt=max_images_per_prompt,
+            max_videos_per_prompt=max_videos_per_prompt))
         self.sleep_mode = bool(flag(cfg, "vllm_enable_sleep_mode"))
         self._synced_step, self._asleep = None, set()
         if self.sleep_mode:  # leave the memory to training until the first generation round
@@ -343,13 +353,14 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     def generate(self, policy, processor, messages, images, seeds, *, step, stop_ids, suppress_ids=None,
-                 prompt_batch=None, prompt_index=None, return_logprobs=False):
+                 prompt_batch=None, prompt_index=None, return_logprobs=False, videos=None):
         """One completion per prompt: (completion_ids [B, L], completion_mask [B, L]) on the policy's device,
         and vLLM's log-probs of the sampled tokens [B, L] with return_logprobs=True.
 
         Prompts are `prompt_batch` (the trainer's `encode_prompts` output; `prompt_index` maps completions to
         its rows), else `messages` / `images` encoded by `encode_prompts` here. `stop_ids` / `suppress_ids` are
-        `utils.rollout.stop_token_ids` / `special_token_ids_to_suppress` (computed here when not given).
+        `utils.rollout.stop_token_ids` / `special_token_ids_to_suppress` (computed here when not given). `videos`:
+        per completion, its `utils.video.Clip`s (the frames the trainer's processor got).
         """
         tokenizer = getattr(processor, "tokenizer", processor)
         if suppress_ids is None:
@@ -358,7 +369,7 @@ class VLLMRollout:
             if len(imgs) > self.max_images:
                 raise ValueError(f"prompt {i} has {len(imgs)} images; the vLLM engine takes at most {self.max_images}")
         if prompt_batch is None:
-            prompt_batch, prompt_index = encode_prompts(processor, messages, images,
+            prompt_batch, prompt_index = encode_prompts(processor, messages, images, videos=videos,
                                                         sample_ids=[str(i) for i in range(len(messages))]), None
         sent = prompt_token_ids(prompt_batch, prompt_index)
         if not len(sent) == len(images) == len(seeds):
@@ -372,7 +383,7 @@ class VLLMRollout:
             self._asleep.discard("kv_cache")
         params = [self.vllm.SamplingParams(**sampling_kwargs(self.cfg, seed=s, stop_ids=stop_ids,
                                                              suppress_ids=suppress_ids)) for s in seeds]
-        outputs = self.llm.generate(vllm_prompts(sent, images), params, use_tqdm=False)
+        outputs = self.llm.generate(vllm_prompts(sent, images, videos), params, use_tqdm=False)
         ids, mask, logps = unpack_outputs(outputs, sent, pad_token_id=tokenizer.pad_token_id, stop_ids=stop_ids)
         device = self.accelerator.device
         if not return_logprobs:
