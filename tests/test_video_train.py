@@ -42,6 +42,7 @@ def _write_jsonl(path, rows):
     return str(path)
 
 
+@pytest.mark.slow
 def test_train_sft_on_video_rows_lowers_the_loss(media, qwen, tmp_path):
     from train_sft import SFTConfig, main
 
@@ -134,3 +135,30 @@ def test_video_rollout_with_a_shared_prefill_samples_what_the_unshared_one_does(
     alone, alone_mask = generate_completions(model, expanded, **kwargs)
     together, together_mask = generate_completions(model, shared, prompt_index=index, **kwargs)
     assert torch.equal(alone, together) and torch.equal(alone_mask, together_mask)
+
+
+@pytest.mark.slow
+def test_train_grpo_on_video_rows_with_a_reference_model_and_video_evaluation(media, qwen, tmp_path):
+    from accelerate.state import AcceleratorState, GradientState
+
+    import train_grpo
+    from utils.tracking import read_jsonl
+
+    rows = [{"id": f"v{i}", "question": "Which way does the bar move?", "answer": "right",
+             "video": ["clip.mp4", "slow.mp4"][i % 2]} for i in range(4)]
+    data = _write_jsonl(media / "grpo_video.jsonl", rows)
+    cfg = train_grpo.GRPOConfig(
+        model_name_or_path=qwen[0], dataset_name=data, output_dir=str(tmp_path), per_device_train_batch_size=4,
+        num_generations=2, max_completion_length=6, max_prompt_length=256, max_steps=2, learning_rate=1e-3,
+        beta=0.04, report_to="none", save_steps=100, logging_steps=1, seed=0, reward_funcs=["format", "accuracy"],
+        eval_dataset_name=data, eval_split="train", eval_samples=2, eval_max_new_tokens=4, **{
+            "fps": 2.0, "max_frames": 4, "video_min_pixels": 28 * 28, "video_max_pixels": 56 * 56})
+    try:
+        train_grpo.main(cfg)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+    assert all(m["kl"] >= 0 for m in metrics if "kl" in m)
+    assert json.loads((tmp_path / "train_summary.json").read_text())["heldout_samples_after"] == 2

@@ -432,6 +432,8 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     each probed like an image path (check_images)."""
     table, source = _open(name_or_path, split)
     required = {question_column: "--question_column", answer_column: "--answer_column"}
+    if image_column == "image" and "image" not in table.column_names and video_column in table.column_names:
+        image_column = None  # a video-only set needs no --image_column none
     if image_column is not None:  # None: a text-only data set (for text LLMs)
         required[image_column] = "--image_column"
     if require_steps:
