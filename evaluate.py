@@ -47,7 +47,7 @@ from utils.scoring import (
     parse_completion,
     resolve_embedding_model,
 )
-from utils.video import budget_from_config, video_flag
+from utils.video import budget_from_config, check_config_video_flags, video_flag
 
 METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
@@ -131,6 +131,7 @@ def validate(cfg):
         raise ValueError(f"--alpha must be in [0, 1], got {cfg.alpha}")
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
         raise ValueError("--batch_size and --max_new_tokens must be >= 1")
+    check_config_video_flags(cfg)
 
 
 def load_rows(cfg):

@@ -51,7 +51,7 @@ from utils.rollout import (
 )
 from utils.samplers import CurriculumSampler
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
-from utils.video import budget_from_config, row_clips, video_flag
+from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag
 from utils.vllm_rollout import (
     IS_MODES,
     VLLMRollout,
@@ -206,6 +206,7 @@ def validate(cfg, num_processes, distributed_type="NO"):
          f"multiple of --num_generations {G}")
     need(cfg.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be >= 1")
     need(cfg.num_iterations >= 1, "--num_iterations must be >= 1")
+    check_config_video_flags(cfg)
     need(cfg.max_completion_length >= 1, "--max_completion_length must be >= 1")
     need(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1, "--max_prompt_length must be >= 1 or none")
     need(cfg.temperature > 0, "--temperature must be > 0 for GRPO sampling")
@@ -342,10 +343,9 @@ def main(cfg: GRPOConfig):
         disable_dropout(ref_policy)
     # one colocated engine per process, fed the trainer's prompt ids and pixel budget (docs/distributed.md)
     max_videos = max((len(v) for v in dataset["videos"]), default=0) if "videos" in dataset.column_names else 0
+    video_budget = budget_from_config(processor, cfg) if max_videos else None  # a model without video fails here
     vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config,
-                        max_videos_per_prompt=max_videos,
-                        video_budget=budget_from_config(processor, cfg) if max_videos else None)
-            if cfg.use_vllm else None)
+                        max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 

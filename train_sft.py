@@ -39,7 +39,7 @@ from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
-from utils.video import budget_from_config, video_flag
+from utils.video import budget_from_config, check_config_video_flags, video_flag
 from utils.zero3 import clear_stale_zero3_gradients
 
 
@@ -139,6 +139,7 @@ def validate(cfg):
         raise ValueError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ValueError("set --max_steps or a positive --num_train_epochs")
+    check_config_video_flags(cfg)
 
 
 class AssistantNLL(CompletionLogProbs):

@@ -127,3 +127,17 @@ def test_processor_gets_the_sampled_frames_and_their_timing(tmp_path):
     assert meta.total_num_frames == 4 and meta.sampled_fps == pytest.approx(1.6)
     assert kwargs["videos_kwargs"]["do_sample_frames"] is False and kwargs["videos_kwargs"]["do_resize"] is False
     assert processor_video_kwargs([]) == {}
+
+
+def test_scripts_refuse_bad_video_flags_before_loading_a_model():
+    import evaluate
+    import train_grpo
+    import train_sft
+    from utils.errors import InputError
+
+    with pytest.raises(InputError, match="--fps must be positive"):
+        train_sft.validate(train_sft.SFTConfig(fps=0))
+    with pytest.raises(InputError, match="--video_min_pixels 5000 is over --video_max_pixels 100"):
+        train_grpo.validate(train_grpo.GRPOConfig(video_min_pixels=5000, video_max_pixels=100), 1)
+    with pytest.raises(InputError, match="--max_frames must be positive"):
+        evaluate.validate(evaluate.EvalConfig(model="m", max_frames=0))

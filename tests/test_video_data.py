@@ -149,3 +149,19 @@ def test_video_token_guard_names_the_sample_and_video(media, qwen):
     with pytest.raises(Exception, match=r"sample 'twice': video tokens \[8, 8\]"):
         check_video_tokens(processor, repeated, batch["video_grid_thw"], clips, ["twice"])
     assert os.path.exists(media / "clip.mp4")
+
+
+def test_prompts_whose_video_placeholders_do_not_match_their_videos_are_named(media, qwen):
+    from utils.prompts import build_messages
+    from utils.rollout import encode_prompts
+    from utils.video import load_clips
+
+    _, processor = qwen
+    clip = load_clips([[str(media / "clip.mp4")]], BUDGET)[0]
+    one, two = (build_messages("q", num_images=0, num_videos=n, template="plain") for n in (1, 2))
+    batch = encode_prompts(processor, [one, one], [[], []], sample_ids=["a", "b"], videos=[clip, clip])
+    assert (batch["input_ids"] == processor.video_token_id).sum(-1).tolist() == [8, 8]
+    with pytest.raises(Exception, match="sample 'twice'"):  # a repeated <video>: two placeholders, one video
+        encode_prompts(processor, [one, two], [[], []], sample_ids=["ok", "twice"], videos=[clip, clip])
+    with pytest.raises(Exception, match="sample 'none'"):  # a placeholder without its video
+        encode_prompts(processor, [one, one], [[], []], sample_ids=["ok", "none"], videos=[clip, []])

@@ -95,17 +95,26 @@ def budget_for(processor, *, fps=None, max_frames=None, min_pixels=None, max_pix
                          else int(getattr(vp, "max_video_tokens", 128000)) * factor * factor * 0.9),
         factor=factor, temporal_patch=int(getattr(vp, "temporal_patch_size", 2) or 1),
     )
-    for flag, value in (("--fps", budget.fps), ("--max_frames", budget.max_frames),
-                        ("--video_min_pixels", budget.min_pixels), ("--video_max_pixels", budget.max_pixels),
-                        ("--video_total_pixels", budget.total_pixels)):
-        if not value > 0:
-            raise InputError(f"{flag} must be positive, got {value}")
+    check_video_flags(budget.fps, budget.max_frames, budget.min_pixels, budget.max_pixels, budget.total_pixels)
     if budget.max_frames < budget.temporal_patch:
         raise InputError(f"--max_frames {budget.max_frames} is under the model's temporal patch "
                          f"({budget.temporal_patch} frames)")
-    if budget.min_pixels > budget.max_pixels:
-        raise InputError(f"--video_min_pixels {budget.min_pixels} is over --video_max_pixels {budget.max_pixels}")
     return budget
+
+
+def check_video_flags(fps=None, max_frames=None, min_pixels=None, max_pixels=None, total_pixels=None) -> None:
+    """The video flags a script was given (None: unset) are positive and min <= max; the error names the flag."""
+    for flag, value in (("--fps", fps), ("--max_frames", max_frames), ("--video_min_pixels", min_pixels),
+                        ("--video_max_pixels", max_pixels), ("--video_total_pixels", total_pixels)):
+        if value is not None and not value > 0:
+            raise InputError(f"{flag} must be positive, got {value}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise InputError(f"--video_min_pixels {min_pixels} is over --video_max_pixels {max_pixels}")
+
+
+def check_config_video_flags(cfg) -> None:
+    """`check_video_flags` on a script's config (its `video_flag` fields), for its validate()."""
+    check_video_flags(cfg.fps, cfg.max_frames, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels)
 
 
 def sample_indices(total_frames: int, video_fps: float, budget: VideoBudget) -> list[int]:
