@@ -63,8 +63,8 @@ def _count_frames(rng, n_frames, image_size):
     size = image_size // 4
     x, y = rng.randint(size, image_size - size), rng.randint(size, image_size - size)
     distractor = {"shape": "circle", "color": "blue", "size": size, "x": image_size - x, "y": image_size - y}
-    objects = [[distractor] + ([{"shape": "square", "color": "red", "size": size, "x": x, "y": y}] if t in shown else [])
-               for t in range(n_frames)]  # the square is drawn over the distractor
+    square = {"shape": "square", "color": "red", "size": size, "x": x, "y": y}
+    objects = [[distractor] + ([square] if t in shown else []) for t in range(n_frames)]  # the square on top
     answer = str(len(shown))
     return (objects, "In how many frames is there a red square?", answer, None,
             [f"The red square is in frames {', '.join(str(t + 1) for t in shown)}",
