@@ -71,10 +71,6 @@ class Clip:
     source: str
     indices: list[int]
 
-    @property
-    def second_per_grid(self) -> float:
-        return 1.0 / self.sampled_fps  # times the temporal patch: Qwen2.5-VL's second_per_grid_ts
-
 
 def budget_for(processor, *, fps=None, max_frames=None, min_pixels=None, max_pixels=None,
                total_pixels=None) -> VideoBudget:
@@ -291,15 +287,6 @@ def processor_video_kwargs(clips: list[Clip]) -> dict:
     return {"videos": [c.frames for c in clips],
             "videos_kwargs": {"video_metadata": metadata, "do_sample_frames": False, "do_resize": False,
                               "return_metadata": True, "cap_pixels_per_frame": False}}
-
-
-def tokens_per_frame(height: int, width: int, budget: VideoBudget) -> float:
-    """LLM tokens a frame of this size costs after patch merging (two frames share a temporal patch)."""
-    return height * width / (budget.factor ** 2) / budget.temporal_patch
-
-
-def count_markers(texts) -> int:
-    return sum(text.count(VIDEO_MARKER) for text in texts)
 
 
 def load_clips(videos_per_row, budget: VideoBudget) -> list[list[Clip]]:
