@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(REQ_HASH)
 DEV_STAMP := $(VENV)/.dev-installed-$(DEV_HASH)
 FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig train_mixgrpo:MixGRPOConfig distill:DistillConfig iterate:IterateConfig
 
-.PHONY: install install-dev demo test test-fast lint docs
+.PHONY: install install-dev demo test test-full test-unit test-build lint docs
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,13 +32,19 @@ demo: install
 lint: install-dev
 	$(VENV)/bin/ruff check .
 
-# The test suite: lint, then every test (the end-to-end ones are marked slow) but those that build a default
-# tiny model of the cache (marked build: minutes each; `make test-build` runs them).
+# Two tiers; CI (.ci/run) runs both. `make test`, the fast tier: every unit and in-process test and one end-to-end
+# launch per capability (under 10 minutes of pytest on 2 cores). `make test-full`: the rest (marked full: each launch
+# variant, each ZeRO stage, the recipe and model-family matrices). `make test-build` runs the tests marked build,
+# which first build a default tiny model of the cache (the tiny generator: about 21 minutes on a cold cache, more
+# than CI's budget leaves, so CI does not run them).
 test: lint
-	$(PY) -m pytest -q -m "not build"
+	$(PY) -m pytest -q -m "not full and not build"
 
-test-fast: lint
-	$(PY) -m pytest -q -m "not slow and not build"
+test-full: lint
+	$(PY) -m pytest -q -m "full and not build"
+
+test-unit: lint
+	$(PY) -m pytest -q -m "not slow and not full and not build"
 
 test-build: lint
 	$(PY) -m pytest -q -m build

@@ -82,6 +82,9 @@ class DistillConfig:
     # the model's own chains (--chain_source model)
     model: Optional[str] = None  # local VLM checkpoint whose answers become chains
     model_base_url: Optional[str] = None  # OpenAI-compatible endpoint serving that VLM (instead of --model)
+    model_serve: bool = field(default=False, metadata={
+        "help": "--model answers through `transformers serve` started on 127.0.0.1 for this run (requests, "
+                "--max_concurrency in flight) instead of in-process batched generate"})
     served_model_name: Optional[str] = None  # model name the --model_base_url server serves
     prompt_template: str = choice("think_answer", "crystal_json", "plain",
                                   help="system prompt of the SFT rows, and of --chain_source model")
@@ -136,6 +139,16 @@ def validate(cfg):
         raise ConfigError("--chain_source model needs exactly one of --model or --model_base_url")
     elif cfg.model_base_url and not cfg.served_model_name:
         raise ConfigError("--model_base_url needs --served_model_name (the model name the server serves)")
+    elif cfg.model_serve and not cfg.model:
+        raise ConfigError("--model_serve serves --model: give --model (a local checkpoint), not --model_base_url")
+    serve = ("--reasoner_serve" if cfg.chain_source == "reasoner" and cfg.reasoner_serve else
+             "--model_serve" if cfg.chain_source == "model" and cfg.model_serve else None)
+    if serve:
+        from utils.serving import serving_problem
+
+        problem = serving_problem(f"distill.py {serve}")
+        if problem:  # refused here, before any model is built or loaded
+            raise ConfigError(problem)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -332,13 +345,15 @@ def distill_with_endpoint(cfg, dataset, todo, writer, base_url, served):
     def chains_for(index, caption):
         row = dataset[index]
         question = render_question(row["question"], row.get("choices"))
-        if not reasoner:
-            prompt, image = question, images_of(row)[0]
+        system = None
+        if not reasoner:  # the VLM is asked as it was trained and is evaluated: its template's system turn first
+            prompt, image, system = question, images_of(row)[0], SYSTEM_PROMPTS[cfg.prompt_template]
         else:
             if caption is None:  # captioned by the endpoint, in this worker
                 caption = remote_captioner.chat(cfg.caption_prompt, images_of(row)[0]).strip()
             prompt, image = cfg.reasoner_prompt.format(caption=caption, question=question), None
-        return [chat.chat(prompt, image, reasoning=True, top_p=cfg.top_p, seed=request_seed(cfg, row["id"], j))
+        return [chat.chat(prompt, image, reasoning=True, system=system, top_p=cfg.top_p,
+                          seed=request_seed(cfg, row["id"], j))
                 for j in range(cfg.num_chains)], caption
 
     step = cfg.batch_size if local_captioner else cfg.max_concurrency
@@ -363,6 +378,14 @@ def distill_with_endpoint(cfg, dataset, todo, writer, base_url, served):
                 writer.collect(*pending.popleft())
         while pending:
             writer.collect(*pending.popleft())
+
+
+def serve(cfg, model, log_name):
+    """`transformers serve` of a local model folder on 127.0.0.1 for this run (its log in --output_dir)."""
+    from utils.serving import LocalServer
+
+    return LocalServer(resolve_tiny_name(model), threads=cfg.cpu_threads,
+                       log_path=os.path.join(cfg.output_dir, log_name)).start()
 
 
 def main(cfg: DistillConfig):
@@ -396,16 +419,16 @@ def main(cfg: DistillConfig):
     writer = Writer(cfg, dataset, len(kept), todo)
     server = None
     try:
-        if cfg.chain_source == "model" and cfg.model:
+        if cfg.chain_source == "model" and cfg.model and not cfg.model_serve:
             distill_with_local_model(cfg, dataset, todo, writer)
         else:
-            if cfg.chain_source == "model":
+            if cfg.chain_source == "model" and cfg.model_serve:
+                server = serve(cfg, cfg.model, "model_server.log")
+                base_url, served = server.base_url, server.model_name
+            elif cfg.chain_source == "model":
                 base_url, served = cfg.model_base_url, cfg.served_model_name
             elif cfg.reasoner_serve:
-                from utils.serving import LocalServer
-
-                server = LocalServer(resolve_tiny_name(cfg.reasoner_model),
-                                     log_path=os.path.join(cfg.output_dir, "reasoner_server.log")).start()
+                server = serve(cfg, cfg.reasoner_model, "reasoner_server.log")
                 base_url, served = server.base_url, server.model_name
             else:
                 base_url, served = cfg.reasoner_base_url, cfg.reasoner_model

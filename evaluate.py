@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from tiny.cache import TINY_DATASET, shapes_dataset_path
+from utils.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.config import choice, config_to_dict, parse_config
 from utils.data import load_vqa, render_question, videos_of
 from utils.errors import exit_on_bad_input
@@ -82,6 +83,13 @@ class EvalConfig:
     choices_column: Optional[str] = None  # column with answer options; none: 'choices' or 'options' when present
     id_column: Optional[str] = None  # column with sample ids; none: 'id' when present, else the row index
     max_samples: Optional[int] = None  # score the first N rows; none: all
+    benchmark: Optional[str] = field(default=None, metadata={
+        "help": "mathvista, mathverse or mathvision: --dataset is a local copy of it in its published format "
+                "(--split testmini for hub releases), prompted and scored by its official rules"})
+    answer_extractor_base_url: Optional[str] = field(default=None, metadata={
+        "help": "--benchmark: OpenAI-compatible endpoint of an LLM that extracts each response's answer (as "
+                "MathVista's and MathVerse's scorers do); none: rule extraction"})
+    answer_extractor_model: Optional[str] = None  # model name the --answer_extractor_base_url server serves
     # generation
     prompt_template: str = choice(*PROMPT_TEMPLATES)  # answer format asked for in the system prompt and parsed
     system_prompt: Optional[str] = None  # replaces the template's system prompt
@@ -108,6 +116,9 @@ class EvalConfig:
     # checkpoint selection
     select_best: Optional[str] = field(default=None, metadata={"help": "score every checkpoint-N in this folder"})
     select_metric: str = choice(*SELECT_METRICS)  # metric that picks the --select_best checkpoint
+    select_include: list[str] = field(default_factory=list, metadata={
+        "help": "models scored with the --select_best checkpoints, before them (step 0, e.g. the run's starting "
+                "model: it wins ties)"})
     # output
     output_dir: Optional[str] = field(default=None, metadata={"help": "default: <model>/eval, or <select_best>/eval"})
 
@@ -118,9 +129,20 @@ def validate(cfg):
         raise ValueError("give exactly one of --model, --base_url (+ --served_model_name) or --select_best")
     if cfg.base_url and not cfg.served_model_name:
         raise ValueError("--base_url needs --served_model_name (the model name the server serves)")
+    if cfg.benchmark is not None:
+        from utils.benchmarks import BENCHMARKS
+
+        if cfg.benchmark not in BENCHMARKS:
+            raise ValueError(f"--benchmark {cfg.benchmark!r}: choose from {', '.join(BENCHMARKS)}")
+        if "crystal" in cfg.metrics:
+            raise ValueError("--benchmark rows have no reference steps: drop 'crystal' from --metrics")
+    if cfg.answer_extractor_base_url and not (cfg.benchmark and cfg.answer_extractor_model):
+        raise ValueError("--answer_extractor_base_url needs --benchmark and --answer_extractor_model")
     unknown = [m for m in cfg.metrics if m not in METRICS]
     if unknown or not cfg.metrics:
         raise ValueError(f"--metrics {unknown or cfg.metrics}: choose from {', '.join(METRICS)}")
+    if cfg.select_include and not cfg.select_best:
+        raise ValueError("--select_include adds candidates to --select_best: give --select_best too")
     if cfg.select_best:
         if not os.path.isdir(cfg.select_best):
             raise FileNotFoundError(f"--select_best: folder not found: {cfg.select_best}")
@@ -135,6 +157,10 @@ def validate(cfg):
 
 
 def load_rows(cfg):
+    if cfg.benchmark:
+        from utils.benchmarks import load_benchmark
+
+        return load_benchmark(cfg.benchmark, cfg.dataset, split=cfg.split, max_samples=cfg.max_samples)
     path = shapes_dataset_path() if cfg.dataset == TINY_DATASET else cfg.dataset
     dataset = load_vqa(path, split=cfg.split, image_column=cfg.image_column, question_column=cfg.question_column,
                        answer_column=cfg.answer_column, steps_column=cfg.steps_column,
@@ -170,19 +196,25 @@ def score(cfg, rows, texts, output_dir):
     predictions, references = crystal_files(rows, texts, prompt_template=cfg.prompt_template)
     _write_json(os.path.join(output_dir, "predictions.json"), predictions)
     _write_json(os.path.join(output_dir, "references.json"), references)
-    grade = AnswerGrader()
+    grade, judge = AnswerGrader(), benchmark_judge(cfg)
+    group_by = list(cfg.group_by) + [c for c in BENCHMARK_GROUPS.get(cfg.benchmark, ()) if c not in cfg.group_by]
     records = []
     for index, (row, text) in enumerate(zip(rows, texts)):
         _, answer = parse_completion(text, prompt_template=cfg.prompt_template)
         question = render_question(row["question"], row.get("choices"))
-        records.append({"id": str(row.get("id", index)), "question": question, "completion": text,
-                        "predicted_answer": answer, "answer": str(row["answer"]),
-                        "correct": grade(question, answer, row["answer"]),
-                        **{c: row.get(c) for c in cfg.group_by if c in row}})
+        record = {"id": str(row.get("id", index)), "question": question, "completion": text,
+                  "predicted_answer": answer, "answer": str(row["answer"])}
+        if judge:  # the benchmark's own rules, on the answer block (or, without one, the whole response)
+            record["correct"], record["prediction"] = judge(row, answer or text)
+        else:
+            record["correct"] = grade(question, answer, row["answer"])
+        records.append({**record, **{c: row.get(c) for c in group_by if c in row}})
 
     metrics = {"samples": len(rows), "format": sum(bool(r["predicted_answer"]) for r in records) / max(len(rows), 1)}
+    if cfg.benchmark:
+        metrics["benchmark"] = cfg.benchmark
     metrics["accuracy"] = sum(r["correct"] for r in records) / max(len(rows), 1)
-    metrics.update(group_means(rows, [r["correct"] for r in records], cfg.group_by, "accuracy"))
+    metrics.update(group_means(rows, [r["correct"] for r in records], group_by, "accuracy"))
     if "crystal" in cfg.metrics:
         model_name, default_threshold = resolve_embedding_model(cfg.embedding_model)
         threshold = cfg.similarity_threshold if cfg.similarity_threshold is not None else default_threshold
@@ -212,6 +244,18 @@ def score(cfg, rows, texts, output_dir):
     with open(os.path.join(output_dir, "metrics.md"), "w", encoding="utf-8") as f:
         f.write(markdown_report(metrics))
     return metrics
+
+
+def benchmark_judge(cfg):
+    """(row, response) -> (correct, prediction) by --benchmark's rules, with the LLM extractor when given; None
+    without --benchmark."""
+    if not cfg.benchmark:
+        return None
+    from utils.benchmarks import LLMAnswerExtractor, benchmark_correct
+
+    extractor = (LLMAnswerExtractor(cfg.answer_extractor_base_url, cfg.answer_extractor_model, api_key=cfg.api_key)
+                 if cfg.answer_extractor_base_url else None)
+    return lambda row, response: benchmark_correct(row, response, extractor)
 
 
 def markdown_report(metrics):
@@ -260,14 +304,17 @@ def checkpoints_in(folder):
 def select_best(cfg, rows):
     """Score every checkpoint; the best by --select_metric (ties: the earliest) -> best_checkpoint.json."""
     output_dir = cfg.output_dir or os.path.join(cfg.select_best, "eval")
-    scores = {}
-    for step, path in checkpoints_in(cfg.select_best):
+    scores, steps = {}, {}
+    candidates = [(0, path, f"include-{j}") for j, path in enumerate(cfg.select_include)]
+    candidates += [(step, path, os.path.basename(path)) for step, path in checkpoints_in(cfg.select_best)]
+    for step, path, name in candidates:
         print(f"evaluating {path}", flush=True)
-        metrics = score(cfg, rows, generate(cfg, path, rows), os.path.join(output_dir, os.path.basename(path)))
-        scores[path] = metrics[cfg.select_metric]
+        metrics = score(cfg, rows, generate(cfg, path, rows), os.path.join(output_dir, name))
+        scores[path], steps[path] = metrics[cfg.select_metric], step
         print(f"  {cfg.select_metric} {scores[path]:.4f}", flush=True)
     best = max(scores, key=lambda p: scores[p])  # max keeps the first (earliest) of equal scores
-    result = {"best_checkpoint": best, "metric": cfg.select_metric, "value": scores[best], "scores": scores}
+    result = {"best_checkpoint": best, "best_step": steps[best], "metric": cfg.select_metric, "value": scores[best],
+              "scores": scores, "steps": steps}
     _write_json(os.path.join(output_dir, "best_checkpoint.json"), result)
     print(f"best checkpoint by {cfg.select_metric}: {best} ({scores[best]:.4f})")
     return result

@@ -64,6 +64,9 @@ class IterateConfig:
     keep_previous: float = 0.7  # share of cycle i's SFT rows drawn from cycle i-1's set; the rest are new
     next_data: str = choice("model", "reasoner",
                             help="who writes the new rows of cycle i > 1: the previous cycle's model, or the reasoner")
+    next_data_serve: bool = field(default=False, metadata={
+        "help": "--next_data model: the previous cycle's model answers through `transformers serve` on 127.0.0.1 "
+                "(distill.py --model_serve, requests in flight) instead of in-process generate"})
     # RL data
     rl_dataset: str = TINY_DATASET  # VQA rows for GRPO (image, question, answer)
     rl_split: str = "train"  # split of --rl_dataset
@@ -74,6 +77,21 @@ class IterateConfig:
     difficulty_once: bool = field(default=True, metadata={
         "help": "estimate difficulty once per cycle (with the SFT model) for both RL stages; false: the hard "
                 "stage estimates again with its own starting model"})
+    # validation-picked checkpoints
+    rl_eval_steps: Optional[int] = field(default=None, metadata={
+        "help": "each RL stage checkpoints every N steps; its start and every checkpoint are scored on the "
+                "validation rows and the cycle continues from the best (ties: the earliest); none: the last"})
+    val_dataset: Optional[str] = field(default=None, metadata={
+        "help": "validation VQA rows of --rl_eval_steps; none: the --val_samples rows of --rl_dataset right after "
+                "the RL set (never trained on)"})
+    val_split: Optional[str] = None  # split of --val_dataset; none: --rl_split
+    val_samples: int = 128  # validation rows
+    val_metric: str = choice("accuracy", "math_accuracy", "format",
+                             help="what picks the checkpoint (evaluate.py --select_metric)")
+    # resume
+    restart_stage: bool = field(default=False, metadata={
+        "help": "start over (its folder emptied) the unfinished stage whose flags differ from those it started "
+                "with; without it such a stage is refused"})
     # held-out evaluation
     eval_dataset: str = TINY_DATASET  # held-out VQA rows (evaluate.py --dataset)
     eval_split: str = "test"  # split of --eval_dataset
@@ -100,6 +118,16 @@ def validate(cfg):
         raise ConfigError(f"--keep_previous must be in [0, 1), got {cfg.keep_previous}")
     if cfg.accelerate_config and not os.path.isfile(cfg.accelerate_config):
         raise ConfigError(f"--accelerate_config: file not found: {cfg.accelerate_config}")
+    if cfg.rl_eval_steps is not None and (cfg.rl_eval_steps < 1 or cfg.val_samples < 1):
+        raise ConfigError(f"--rl_eval_steps ({cfg.rl_eval_steps}) and --val_samples ({cfg.val_samples}) must be >= 1")
+    if cfg.next_data_serve and cfg.next_data != "model":
+        raise ConfigError("--next_data_serve serves the previous cycle's model: it needs --next_data model")
+    if cfg.next_data_serve and cfg.num_cycles > 1:
+        from utils.serving import serving_problem
+
+        problem = serving_problem("iterate.py --next_data_serve")
+        if problem:  # before any stage or tiny-model build
+            raise ConfigError(problem)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,6 +167,29 @@ def write_recipe(values, path, config_cls):
         raise ConfigError(f"{path}: {error}") from None
 
 
+def recipe_changes(old, new):
+    """`--flag: old -> new` for every flag whose value differs between two recipes (dicts)."""
+    return [f"--{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def start_stage(name, folder, values, config_cls, restart=False):
+    """Write an unfinished stage's recipe (folder/recipe.yaml) and check it parses. A stage that started earlier
+    (its recipe is there) with other flags holds half a run of those: it is refused, naming the flags, or with
+    `restart` (--restart_stage) emptied and started over."""
+    path = os.path.join(folder, "recipe.yaml")
+    if os.path.exists(path):
+        with open(path) as f:
+            changes = recipe_changes(yaml.safe_load(f) or {}, values)
+        if changes and not restart:
+            raise ConfigError(f"iterate: stage {name} ({folder}) started earlier with other flags and is unfinished; "
+                              f"resuming would mix two runs. Changed: {'; '.join(changes)}. Run with the flags it "
+                              "started with, or --restart_stage true to start it over")
+        if changes:
+            print(f"[iterate] {name}: flags changed ({'; '.join(changes)}): --restart_stage, started over", flush=True)
+            shutil.rmtree(folder)
+    return write_recipe(values, path, config_cls)
+
+
 def script_configs():
     """The config classes of the stage scripts (importing them loads no model)."""
     import distill
@@ -160,9 +211,9 @@ class Runner:
     def __init__(self, cfg):
         self.cfg = cfg
         self.child = None
-        self.accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-        if not os.path.exists(self.accelerate):
-            self.accelerate = shutil.which("accelerate") or "accelerate"
+        # `accelerate launch` of this interpreter (not whichever `accelerate` is first on PATH): every stage runs in
+        # the environment iterate.py runs in
+        self.accelerate = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 
     def forward_signals(self):
         """SIGTERM / SIGINT to iterate stop the running stage too."""
@@ -175,7 +226,7 @@ class Runner:
         raise SystemExit(128 + signum)
 
     def launch(self, script, recipe):
-        cmd = [self.accelerate, "launch"]
+        cmd = self.accelerate + ["launch"]
         if self.cfg.accelerate_config:
             cmd += ["--config_file", self.cfg.accelerate_config]
         return cmd + [os.path.join(REPO, script), "--config", recipe]
@@ -238,21 +289,68 @@ def final_checkpoint(folder):
 # Data: the RL set, the estimated difficulty, the next cycle's SFT set
 
 
-def write_rl_data(cfg, out):
-    """The RL rows (the first --rl_samples of --rl_dataset) in the standard columns, written once."""
+SOURCE_FILE = "iterate_source.json"  # inside rl-data/ and val-data/: the flags that chose their rows
+RL_SOURCE_FLAGS = ("rl_dataset", "rl_split", "rl_samples", "rl_image_column", "rl_question_column",
+                   "rl_answer_column")
+
+
+def write_rows_once(out, source, make):
+    """A save_to_disk folder of `make()`'s rows, written once. `source` (the flags that choose the rows) is kept in
+    it; a later run that would choose other rows is refused, naming the flags, rather than reusing the folder."""
+    record = os.path.join(out, SOURCE_FILE)
     if os.path.isdir(out):
+        old = {}
+        if os.path.exists(record):
+            with open(record) as f:
+                old = json.load(f)
+        changes = recipe_changes(old, source) if old else []
+        if changes:
+            raise ConfigError(f"iterate: {out} holds rows chosen with other flags ({'; '.join(changes)}); every "
+                              "stage of this run was trained on them. Run with those flags, or give another "
+                              "--output_dir")
         return out
+    make().save_to_disk(out + ".tmp")
+    with open(os.path.join(out + ".tmp", SOURCE_FILE), "w") as f:
+        json.dump(source, f, indent=2)
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def _load_rows(dataset, split, cfg):
     from tiny.cache import shapes_dataset_path
     from utils.data import load_vqa
 
-    path = shapes_dataset_path() if cfg.rl_dataset == TINY_DATASET else cfg.rl_dataset
-    rows = load_vqa(path, split=cfg.rl_split, image_column=cfg.rl_image_column,
-                    question_column=cfg.rl_question_column, answer_column=cfg.rl_answer_column, require_steps=False)
-    if cfg.rl_samples:
-        rows = rows.select(range(min(cfg.rl_samples, len(rows))))
-    rows.save_to_disk(out + ".tmp")
-    os.replace(out + ".tmp", out)
-    return out
+    path = shapes_dataset_path() if dataset == TINY_DATASET else dataset
+    return load_vqa(path, split=split, image_column=cfg.rl_image_column, question_column=cfg.rl_question_column,
+                    answer_column=cfg.rl_answer_column, require_steps=False)
+
+
+def write_rl_data(cfg, out):
+    """The RL rows (the first --rl_samples of --rl_dataset) in the standard columns, written once."""
+    def make():
+        rows = _load_rows(cfg.rl_dataset, cfg.rl_split, cfg)
+        return rows.select(range(min(cfg.rl_samples, len(rows)))) if cfg.rl_samples else rows
+
+    return write_rows_once(out, {k: getattr(cfg, k) for k in RL_SOURCE_FLAGS}, make)
+
+
+def write_val_data(cfg, out):
+    """The validation rows of --rl_eval_steps: --val_samples of --val_dataset, or of --rl_dataset right after the
+    RL set (rows the RL stages never see)."""
+    def make():
+        if cfg.val_dataset:
+            rows = _load_rows(cfg.val_dataset, cfg.val_split or cfg.rl_split, cfg)
+            start = 0
+        else:
+            rows = _load_rows(cfg.rl_dataset, cfg.rl_split, cfg)
+            start = cfg.rl_samples or len(rows)
+        if start + 1 > len(rows):
+            raise ConfigError(f"--rl_eval_steps: {cfg.rl_dataset} ({cfg.rl_split}) has {len(rows)} rows, all in the "
+                              "RL set (--rl_samples); give --val_dataset or a smaller --rl_samples")
+        return rows.select(range(start, min(start + cfg.val_samples, len(rows))))
+
+    flags = RL_SOURCE_FLAGS + ("val_dataset", "val_split", "val_samples")
+    return write_rows_once(out, {k: getattr(cfg, k) for k in flags}, make)
 
 
 def write_estimated_difficulty(rl_data, checkpoint, out):
@@ -300,6 +398,15 @@ def mix_sft_sets(previous, new, size, keep_previous, seed, out_file):
     return {"rows": len(rows), "from_previous": n_old, "new": len(fresh)}
 
 
+def picked(pick_dir):
+    """evaluate.py --select_best's choice as the cycle records it: the checkpoint, its step (0: the stage's
+    starting model) and every candidate's validation score by step."""
+    with open(os.path.join(pick_dir, "best_checkpoint.json")) as f:
+        best = json.load(f)
+    return {"best_checkpoint": best["best_checkpoint"], "step": best["best_step"], "value": best["value"],
+            "steps": {str(best["steps"][path]): value for path, value in best["scores"].items()}}
+
+
 def distill_summary(folder):
     with open(os.path.join(folder, "summary.json")) as f:
         return json.load(f)
@@ -321,6 +428,18 @@ def completions(folder):
     return [r["completion"] for r in read_rows(os.path.join(folder, "generations.jsonl"))]
 
 
+def keyword_summary(base_texts, sft_texts):
+    """Keyword hits per response of the base and the SFT model, and each used keyword's share of all hits."""
+    from utils.keywords import keyword_shares
+
+    out = {}
+    for name, texts in (("base", base_texts), ("sft", sft_texts)):
+        counted = keyword_shares(texts)
+        out[name] = {"hits_per_response": counted["hits"] / max(len(texts), 1),
+                     "shares": {w: round(v, 4) for w, v in counted["shares"].items() if v > 0}}
+    return out
+
+
 def write_report(cfg, base_eval, cycles):
     """report.json (every number) and report.png (accuracy after each stage, keyword frequencies)."""
     from utils.keywords import sft_efficacy_score
@@ -330,8 +449,10 @@ def write_report(cfg, base_eval, cycles):
     for c in cycles:
         stages = {name: eval_metrics(folder) for name, folder in c["evals"].items()}
         report["cycles"].append({
-            "cycle": c["cycle"], "data": c["data"], "stages": stages,
+            "cycle": c["cycle"], "data": c["data"], "stages": stages, "picked": c.get("picked", {}),
             "sft_efficacy": sft_efficacy_score(base_texts, completions(c["evals"]["sft"])),
+            # the score saturates at its cap of 2 when the base uses no keyword: what stands behind it
+            "sft_keywords": keyword_summary(base_texts, completions(c["evals"]["sft"])),
             "seconds": c["seconds"]})
     acc = lambda c, s: report["cycles"][c]["stages"][s]["accuracy"]  # noqa: E731
     claims = {"each_sft_above_base": all(acc(i, "sft") > report["base"]["accuracy"]
@@ -395,52 +516,74 @@ def main(cfg: IterateConfig):
     template = {"prompt_template": cfg.prompt_template}
     evaluation = dict(cfg.evaluate)
 
+    def stage(name, folder, values, config_cls):
+        """The stage's recipe path; an unfinished stage's recipe is (re)written and checked against how it began."""
+        if not runner.done(folder):
+            start_stage(name, folder, values, config_cls, restart=cfg.restart_stage)
+        return os.path.join(folder, "recipe.yaml")
+
     def evaluate(name, folder, model):
         recipe = stage_recipe(None, evaluation, {"model": model, "dataset": cfg.eval_dataset, "split": cfg.eval_split,
                                                  "max_samples": cfg.eval_samples, "output_dir": folder, **template})
-        path = os.path.join(folder, "recipe.yaml")
-        if not runner.done(folder):
-            write_recipe(recipe, path, configs["evaluate"])
-        runner.run(name, folder, runner.python("evaluate.py", path))
+        runner.run(name, folder, runner.python("evaluate.py", stage(name, folder, recipe, configs["evaluate"])))
         return folder
 
     def train(name, folder, script, config_cls, recipe, overrides, forced, defaults=None):
         values = stage_recipe(recipe, overrides, {**forced, "output_dir": folder, "resume_from_checkpoint": "latest"},
                               defaults={"eval_dataset_name": None, **(defaults or {})}, cycle=seed)
-        path = os.path.join(folder, "recipe.yaml")
-        if not runner.done(folder):
-            write_recipe(values, path, config_cls)
-        record = runner.run(name, folder, runner.launch(script, path),
+        record = runner.run(name, folder, runner.launch(script, stage(name, folder, values, config_cls)),
                             result=lambda: {"checkpoint": final_checkpoint(folder)})
         return record["checkpoint"]
+
+    def rl_stage(name, folder, recipe, overrides, forced):
+        """A GRPO stage, then (--rl_eval_steps) the pick among its start and checkpoints on the validation rows.
+        Returns (the model the cycle continues from, its last checkpoint, the pick or None)."""
+        every = {"save_steps": cfg.rl_eval_steps, "save_total_limit": None} if cfg.rl_eval_steps else {}
+        last = train(name, folder, "train_grpo.py", configs["grpo"], recipe, overrides, {**forced, **every})
+        if not cfg.rl_eval_steps:
+            return last, last, None
+        pick_dir = folder + "-pick"
+        values = stage_recipe(None, evaluation, {
+            "select_best": folder, "select_include": [forced["model_name_or_path"]], "select_metric": cfg.val_metric,
+            "dataset": val_data, "split": "train", "max_samples": None, "output_dir": pick_dir, **template})
+        if cfg.val_metric == "math_accuracy" and "math" not in values.get("metrics", []):
+            values["metrics"] = list(values.get("metrics", [])) + ["math"]
+        pick = runner.run(f"{name} pick", pick_dir, runner.python("evaluate.py", stage(f"{name} pick", pick_dir, values,
+                                                                                      configs["evaluate"])),
+                          result=lambda: picked(pick_dir))
+        print(f"[iterate] {name}: continues from step {pick['step']} ({cfg.val_metric} {pick['value']:.3f} on "
+              f"{cfg.val_samples} validation rows)", flush=True)
+        return pick["best_checkpoint"], last, {k: pick[k] for k in ("step", "best_checkpoint", "value", "steps")}
 
     def distill_stage(name, folder, forced):
         values = stage_recipe(cfg.distill_recipe, cfg.distill, {**template, "output_dir": folder, **forced},
                               cycle=seed)
-        path = os.path.join(folder, "recipe.yaml")
-        if not runner.done(folder):
-            write_recipe(values, path, configs["distill"])
-        runner.run(name, folder, runner.python("distill.py", path), result=lambda: distill_summary(folder))
+        runner.run(name, folder, runner.python("distill.py", stage(name, folder, values, configs["distill"])),
+                   result=lambda: distill_summary(folder))
         return os.path.join(folder, "sft.jsonl")
 
     # Every stage recipe is checked before the first stage runs (later cycles differ from these only in paths).
     check_dir = os.path.join(out, ".recipe-check")
-    for script, recipe, overrides in (("sft", cfg.sft_recipe, cfg.sft), ("grpo", cfg.grpo_medium_recipe,
-                                                                          cfg.grpo_medium),
-                                      ("grpo", cfg.grpo_hard_recipe, cfg.grpo_hard)):
-        write_recipe(stage_recipe(recipe, overrides, {"output_dir": check_dir}), os.path.join(check_dir, "r.yaml"),
-                     configs[script])
-    import distill
+    try:
+        for script, recipe, overrides in (("sft", cfg.sft_recipe, cfg.sft),
+                                          ("grpo", cfg.grpo_medium_recipe, cfg.grpo_medium),
+                                          ("grpo", cfg.grpo_hard_recipe, cfg.grpo_hard)):
+            write_recipe(stage_recipe(recipe, overrides, {"output_dir": check_dir}),
+                         os.path.join(check_dir, "r.yaml"), configs[script])
+        import distill
 
-    distill.validate(write_recipe(stage_recipe(cfg.distill_recipe, cfg.distill, {"output_dir": check_dir, **template}),
-                                  os.path.join(check_dir, "r.yaml"), configs["distill"]))
-    shutil.rmtree(check_dir, ignore_errors=True)
+        distill.validate(write_recipe(stage_recipe(cfg.distill_recipe, cfg.distill,
+                                                   {"output_dir": check_dir, **template}),
+                                      os.path.join(check_dir, "r.yaml"), configs["distill"]))
+    finally:
+        shutil.rmtree(check_dir, ignore_errors=True)
     rl_data = os.path.join(out, "rl-data")
 
     from tiny.cache import resolve_tiny_name
 
     base_model = resolve_tiny_name(cfg.base_model)
     write_rl_data(cfg, rl_data)
+    val_data = write_val_data(cfg, os.path.join(out, "val-data")) if cfg.rl_eval_steps else None
     base_eval = evaluate("eval-base", os.path.join(out, "eval-base"), base_model)
     rl_columns = {"dataset_name": rl_data, "dataset_split": "train", "image_column": "image",
                   "question_column": "question", "answer_column": "answer", **template}
@@ -457,8 +600,10 @@ def main(cfg: IterateConfig):
             data = distill_summary(data_dir)
         else:
             new_rows = size - round(cfg.keep_previous * size)
-            source = ({"chain_source": "model", "model": previous_model, "model_base_url": None}
-                      if cfg.next_data == "model" else {"chain_source": "reasoner"})
+            source = {"chain_source": "reasoner"}
+            if cfg.next_data == "model":
+                source = {"chain_source": "model", "model": previous_model, "model_base_url": None,
+                          "model_serve": cfg.next_data_serve}
             new_set = distill_stage(f"cycle-{i}/data (new rows)", os.path.join(data_dir, "new"),
                                     {**source, "max_kept": new_rows, "shuffle_seed": cfg.seed * 1000 + i})
             sft_set = os.path.join(data_dir, "sft.jsonl")
@@ -475,28 +620,31 @@ def main(cfg: IterateConfig):
                           cfg.sft_recipe, cfg.sft, {"model_name_or_path": base_model, "dataset_name": sft_set,
                                                      "dataset_format": "sharegpt", "dataset_split": "train"})
         evals = {"sft": evaluate(f"cycle-{i}/eval-sft", os.path.join(folder, "eval-sft"), sft_model)}
-        medium = train(f"cycle-{i}/grpo-medium", os.path.join(folder, "grpo-medium"), "train_grpo.py",
-                       configs["grpo"], cfg.grpo_medium_recipe, cfg.grpo_medium,
-                       {"model_name_or_path": sft_model, "curriculum": ["medium"], **rl_columns})
+        medium, medium_last, medium_pick = rl_stage(
+            f"cycle-{i}/grpo-medium", os.path.join(folder, "grpo-medium"), cfg.grpo_medium_recipe, cfg.grpo_medium,
+            {"model_name_or_path": sft_model, "curriculum": ["medium"], **rl_columns})
         evals["grpo-medium"] = evaluate(f"cycle-{i}/eval-grpo-medium", os.path.join(folder, "eval-grpo-medium"),
                                         medium)
         hard_data = {}
         medium_cfg = parse_config(configs["grpo"], ["--config", os.path.join(folder, "grpo-medium", "recipe.yaml")])
         if cfg.difficulty_once and medium_cfg.difficulty_samples > 0:
-            hard_rows = write_estimated_difficulty(rl_data, medium, os.path.join(folder, "grpo-hard-data"))
+            hard_rows = write_estimated_difficulty(rl_data, medium_last, os.path.join(folder, "grpo-hard-data"))
             hard_data = {"dataset_name": hard_rows, "difficulty_samples": 0, "difficulty_column": ESTIMATED_DIFFICULTY}
-        hard = train(f"cycle-{i}/grpo-hard", os.path.join(folder, "grpo-hard"), "train_grpo.py", configs["grpo"],
-                     cfg.grpo_hard_recipe, cfg.grpo_hard,
-                     {"model_name_or_path": medium, "curriculum": ["hard"], **rl_columns, **hard_data})
+        hard, _, hard_pick = rl_stage(f"cycle-{i}/grpo-hard", os.path.join(folder, "grpo-hard"), cfg.grpo_hard_recipe,
+                                      cfg.grpo_hard, {"model_name_or_path": medium, "curriculum": ["hard"],
+                                                      **rl_columns, **hard_data})
         evals["grpo-hard"] = evaluate(f"cycle-{i}/eval-grpo-hard", os.path.join(folder, "eval-grpo-hard"), hard)
 
         seconds = sum((Runner.done(f) or {}).get("seconds", 0.0) for f in _stage_folders(folder))
-        cycles.append({"cycle": i, "data": data, "evals": evals, "seconds": seconds or time.monotonic() - start})
+        picks = {k: v for k, v in (("grpo-medium", medium_pick), ("grpo-hard", hard_pick)) if v}
+        cycles.append({"cycle": i, "data": data, "evals": evals, "picked": picks,
+                       "seconds": seconds or time.monotonic() - start})
         previous_set, previous_model = sft_set, hard
         report = write_report(cfg, base_eval, cycles)
         print(f"[iterate] cycle {i}: held-out accuracy " + ", ".join(
             f"{s} {m['accuracy']:.3f}" for s, m in report["cycles"][-1]["stages"].items()) +
-            f" (base {report['base']['accuracy']:.3f})", flush=True)
+            f" (base {report['base']['accuracy']:.3f})" + "".join(
+            f"; {s} picked step {p['step']}" for s, p in report["cycles"][-1]["picked"].items()), flush=True)
     print(f"[iterate] wrote {os.path.join(out, 'report.json')} and report.png; claims: {report['claims']}", flush=True)
     return report
 

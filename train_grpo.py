@@ -34,8 +34,9 @@ from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, 
 from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
-from utils.losses import IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss
+from utils.losses import ENTROPY_THRESHOLD, IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss, high_entropy_mask
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
+from utils.packing import resolve_padding_free
 from utils.pcgrad import PCGradAccumulator
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, build_messages
@@ -74,6 +75,9 @@ class GRPOConfig:
     attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
     freeze_vision_tower: bool = False  # freeze the vision encoder (its projector stays trainable)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    padding_free: Optional[bool] = field(default=None, metadata={"help": (
+        "training log-prob passes pack the step's sequences end to end without padding (TRL's flag); none: where "
+        "the model allows it, true: required, false: padded")})
     bf16: bool = False  # bf16 mixed precision (accelerate autocast); vLLM loads bf16 too
     use_peft: bool = False  # train LoRA adapters instead of all weights
     lora_r: int = 16  # LoRA rank
@@ -125,6 +129,13 @@ class GRPOConfig:
     scale_rewards: str = choice(*SCALES)  # advantages / std of the group, of the batch, or not scaled
     num_iterations: int = 1  # optimisation passes (mu) over each round of generations
     mask_truncated_completions: bool = False  # completions cut at --max_completion_length stay out of the loss (DAPO)
+    entropy_coef: float = field(default=0.0, metadata={"help": (
+        "entropy bonus: the loss minus coef * the mean per-token policy entropy (TRL's flag); 0: off")})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": (
+        "train the surrogate only on the top-q fraction of completion tokens by entropy (TRL's flag; the 80/20 "
+        "paper uses 0.2); 1.0: every token")})
+    entropy_threshold: float = field(default=ENTROPY_THRESHOLD, metadata={"help": (
+        "entropy (nats) above which a token counts in the logged entropy_high_frac")})
     dynamic_sampling: bool = field(default=False, metadata={
         "help": "DAPO: drop groups whose rewards do not vary and refill the step with groups of new prompts"})
     max_resample_rounds: int = 4  # extra generation rounds a step may run to refill it under --dynamic_sampling
@@ -233,6 +244,10 @@ def validate(cfg, num_processes, distributed_type="NO"):
     need(not cfg.use_pcgrad or distributed_type != "DEEPSPEED",
          "--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP (or one process)")
     need(cfg.max_resample_rounds >= 0, "--max_resample_rounds must be >= 0")
+    need(0.0 <= cfg.top_entropy_quantile <= 1.0, f"--top_entropy_quantile {cfg.top_entropy_quantile} must be in [0, 1]")
+    need(not cfg.use_pcgrad or (cfg.entropy_coef == 0.0 and cfg.top_entropy_quantile == 1.0),
+         "--use_pcgrad projects one surrogate per reward; --entropy_coef and --top_entropy_quantile < 1 act on the "
+         "summed loss: use them without --use_pcgrad")
     bad_stages = [s for s in cfg.curriculum if s not in LEVELS]
     need(not bad_stages, f"--curriculum {bad_stages} are not difficulty levels ({', '.join(LEVELS)})")
     need(cfg.difficulty_samples >= 0, "--difficulty_samples must be >= 0")
@@ -319,7 +334,8 @@ def main(cfg: GRPOConfig):
 
     stop_ids = stop_token_ids(model, tokenizer)  # the same rule as evaluation and vLLM
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
-    policy = CompletionLogProbs(model)
+    padding_free = resolve_padding_free(cfg.padding_free, model, accelerator.print)
+    policy = CompletionLogProbs(model, padding_free=padding_free)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
     # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
@@ -338,7 +354,8 @@ def main(cfg: GRPOConfig):
         ds_config["gradient_clipping"] = cfg.max_grad_norm
     policy, optimizer = accelerator.prepare(policy, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    ref_policy = prepare_reference_model(cfg, model_path, policy, accelerator) if cfg.beta != 0.0 else None
+    ref_policy = (prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=padding_free)
+                  if cfg.beta != 0.0 else None)
     if ref_policy is not None and cfg.disable_dropout:
         disable_dropout(ref_policy)
     # one colocated engine per process, fed the trainer's prompt ids and pixel budget (docs/distributed.md)
@@ -514,8 +531,9 @@ def main(cfg: GRPOConfig):
                 with accelerator.accumulate(policy):
                     # PCGrad takes its own gradients, so its forward skips the DDP wrapper
                     forward = accelerator.unwrap_model(policy) if pcgrad else policy
-                    logps = forward(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"], cfg.temperature,
-                                    prompt_index=mb["prompt_index"])
+                    # the entropy comes from the same fused head pass (no extra vocabulary pass)
+                    logps, entropy = forward(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"],
+                                             cfg.temperature, return_entropy=True, prompt_index=mb["prompt_index"])
                     old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
                     # vLLM sampled with its own kernels: truncated importance weights pi_old / pi_vllm per token
                     is_weights = None
@@ -528,7 +546,12 @@ def main(cfg: GRPOConfig):
                     loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb["ref_logps"],
                                    loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
                                    max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
-                                   num_processes=world, is_weights=is_weights)
+                                   num_processes=world, is_weights=is_weights, entropy=entropy,
+                                   entropy_coef=cfg.entropy_coef, entropy_threshold=cfg.entropy_threshold,
+                                   gradient_accumulation_steps=GA)
+                    if cfg.top_entropy_quantile < 1.0:  # quantile over the micro-batch of every process (TRL)
+                        loss_kw["entropy_mask"] = high_entropy_mask(entropy, mb["loss_mask"], cfg.top_entropy_quantile,
+                                                                    gather=gather_padded(accelerator))
                     # accelerate divides by GA; dapo's normaliser already spans the whole step
                     scale = 1.0 if cfg.loss_type == "dapo" else 1.0 / GA
                     if pcgrad:
@@ -625,6 +648,8 @@ def step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg,
         "frac_reward_zero_std": 1.0 - has_spread(rewards, reward_weights, G).float().mean().item(),
         "frac_unscorable": weighted.isnan().float().mean().item(),
         "kl": mean_over_steps("kl"),
+        "entropy": mean_over_steps("entropy"),
+        "entropy_high_frac": mean_over_steps("entropy_high_frac"),
         "clip_ratio": mean_over_steps("clip_ratio"),
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "ratio_max_dev": accelerator.reduce(torch.stack([s["ratio_max_dev"] for s in step_stats]).max(), "max").item(),
@@ -635,6 +660,13 @@ def step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg,
         values = rewards[:, j][~rewards[:, j].isnan()]
         metrics[f"rewards/{name}"] = values.mean().item() if len(values) else float("nan")
     return metrics
+
+
+def gather_padded(accelerator):
+    """1-D tensors of every process concatenated, each padded with -1 to the longest (None on one process)."""
+    if accelerator.num_processes == 1:
+        return None
+    return lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=-1))
 
 
 def log_step_completions(logger, step, batches, reward_weights, cfg, accelerator):

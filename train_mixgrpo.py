@@ -13,6 +13,7 @@ steps' log-probs + the image KL) get their own advantages and weights. The VLM a
 """
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -38,7 +39,7 @@ from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
-from utils.models import load_model_and_processor, prepare_for_training
+from utils.models import disable_dropout, freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.rollout import (
     completion_seeds,
@@ -58,8 +59,14 @@ TINY = "tiny"
 TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
 DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif")
 REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
-THINK_RE = re.compile(r"^\s*<think>(.*?\S.*?)</think>", re.S)
+# R3's format rules: the reasoning is the whole output, `<think>..</think>`; a reflection is `<think>..</think>` then
+# a non-empty edit instruction; neither holds another think tag
+_NO_TAG = r"(?:(?!<think>|</think>).)"
+REASON_FORMAT = re.compile(rf"<think>({_NO_TAG}*?)</think>", re.S)
+REFLECT_FORMAT = re.compile(rf"<think>{_NO_TAG}*?</think>{_NO_TAG}+", re.S)
+LEADING_THINK = re.compile(r"<think>(.*?)</think>", re.S)
 NO_EDIT = "no further edit needed"
+NO_EDIT_MATCH = "no further edit"  # what R3 looks for in the instruction
 REFLECT_PROMPT = ("This image was drawn for: {prompt}\nThink inside <think> </think> about whether it shows exactly "
                   f"that. Then write one edit instruction that fixes it, or write \"{NO_EDIT}\".")
 REASON_PROMPT = ("Think about how to draw the image below inside <think> </think>: which objects, how many, "
@@ -76,6 +83,9 @@ class MixGRPOConfig:
     edit_generator_name_or_path: Optional[str] = field(default=None, metadata={
         "help": "the refine stage's generator (Qwen-Image-Edit folder or hub name), with its own LoRA; none: the "
                 "reason stage's generator refines too"})
+    generator_kwargs: dict = field(default_factory=dict, metadata={
+        "help": "JSON options of the generator's adapter (utils/flow_adapters.py), e.g. FLUX.2 Klein's "
+                "{\"text_encoder_out_layers\": [9, 18, 27]}"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
     conditioning: str = choice("base", "policy", "generator",
                                help="the image model reads the VLM's base weights (no grad), the policy as it trains, "
@@ -86,7 +96,10 @@ class MixGRPOConfig:
     use_peft: bool = False  # LoRA on the VLM (its reference is then the VLM with adapters off)
     lora_r: int = 16  # VLM LoRA rank
     lora_alpha: int = 32  # VLM LoRA alpha
-    lora_dropout: float = 0.05  # VLM LoRA dropout
+    lora_dropout: float = 0.05  # VLM LoRA dropout (0 while --disable_dropout)
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "every dropout rate of the VLM 0 (LoRA's too), so the text's log-probs agree between rollout (eval "
+                "mode) and loss (train mode) and the ratio is 1 on a first pass; as train_grpo.py"})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # VLM modules LoRA wraps
     generator_lora_r: int = 16  # generator LoRA rank (reference: adapters off); 0: full fine-tuning (a frozen copy)
     generator_lora_alpha: Optional[int] = None  # generator LoRA alpha; none: the rank
@@ -105,15 +118,17 @@ class MixGRPOConfig:
     reward_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON options of --reward_fn"})
     reward_server_urls: str = "http://127.0.0.1"  # comma-separated reward server URLs (rank r: endpoint r mod n)
     reward_server_port: Optional[str] = "8000"  # comma-separated ports, combined with every URL; none: in the URLs
-    format_weight: float = 0.5  # w_fmt: reason text reward = score * fmt + w_fmt * fmt
+    format_weight: float = 1.0  # w_fmt: reason text reward = score * fmt + w_fmt * fmt (R3: 1.0)
     # groups
     group_size: int = 16  # rollouts per prompt (the GRPO group)
     policy_group_size: int = 4  # processes sharing one prompt; each makes group_size // policy_group_size rollouts
     prompts_per_policy_group: int = 1  # prompts each policy group takes per step
     # text
     max_prompt_length: Optional[int] = 512  # max prompt tokens (longer: an error naming the row)
-    max_output_token_n_gen: int = 256  # max reasoning tokens in the reason stage
+    max_output_token_n_gen: int = 196  # max reasoning tokens in the reason stage (R3: 196)
     temperature: float = 0.9  # text sampling temperature; behaviour and training log-probs use it too
+    top_k: Optional[int] = None  # refused (R3 samples with top-k 50): its log-probs would not be the sampler's
+    top_p: float = 1.0  # refused below 1 (R3 samples with top-p 0.9): its log-probs would not be the sampler's
     # image
     image_size: int = 512  # height = width of the generated images
     num_timesteps_gen: int = 20  # flow steps of the reason stage's image
@@ -126,7 +141,7 @@ class MixGRPOConfig:
     timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
     # reflect + refine (odd steps)
     reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
-    max_output_token_n_edit: int = 256  # max tokens of the reflection + edit instruction
+    max_output_token_n_edit: int = 384  # max tokens of the reflection + edit instruction (R3: 384)
     num_timesteps_edit: int = 20  # flow steps of the refine stage's image
     enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
     max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
@@ -176,6 +191,7 @@ class MixGRPOConfig:
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
     eval_num_timesteps: int = 30  # flow steps of the evaluation images
     eval_images_per_prompt: int = 1  # images per held-out prompt, each from its own noise (GenEval's protocol: 4)
+    eval_refine_rounds: int = 1  # held-out reflect + refine rounds per image, each stops at "no further edit" (R3: 4)
     eval_steps: int = 0  # evaluate every N steps (0: only before and after training)
     eval_before: bool = True  # also evaluate the starting policy
 
@@ -194,10 +210,16 @@ def validate(cfg, num_processes):
         raise ConfigError("--prompts_per_policy_group must be >= 1")
     if cfg.temperature <= 0:
         raise ConfigError("--temperature must be > 0 for GRPO sampling")
+    if cfg.top_k or cfg.top_p < 1:
+        raise ConfigError(f"--top_k {cfg.top_k} / --top_p {cfg.top_p}: truncated sampling is not supported, since the "
+                          "behaviour and training log-probs are over the full tempered softmax, not the truncated "
+                          "one that sampled (R3 samples truncated and trains on the full softmax)")
     if cfg.num_timesteps_gen < 2:
         raise ConfigError("--num_timesteps_gen must be >= 2 (the SDE step is one of the first N - 1)")
     if len(cfg.cfg_interval) != 2 or not 0 <= cfg.cfg_interval[0] < cfg.cfg_interval[1] <= 1:
         raise ConfigError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
+    if cfg.eval_refine_rounds < 1:
+        raise ConfigError(f"--eval_refine_rounds {cfg.eval_refine_rounds} must be >= 1")
     if cfg.eval_images_per_prompt < 1:
         raise ConfigError(f"--eval_images_per_prompt {cfg.eval_images_per_prompt} must be >= 1")
     if not (cfg.tune_text_cot or cfg.tune_image_cot):
@@ -285,9 +307,12 @@ def build_reward(cfg):
 
 
 def reasoning_of(text):
-    """(format 0/1, the reasoning inside <think>..</think>, or the whole text when it is malformed)."""
-    match = THINK_RE.match(text)
-    return (1.0, match.group(1).strip()) if match else (0.0, text.strip())
+    """(format 0/1, what the image is drawn from). Format 1 when the whole output is `<think>..</think>` (R3);
+    the image reads the leading think block's reasoning, or the whole text when there is none."""
+    text = text.strip()
+    fmt = 1.0 if REASON_FORMAT.fullmatch(text) else 0.0
+    match = LEADING_THINK.match(text)
+    return fmt, (match.group(1).strip() if match else text)
 
 
 def reason_rewards(scores, formats, format_weight):
@@ -297,13 +322,16 @@ def reason_rewards(scores, formats, format_weight):
 
 
 def reflection_of(text):
-    """(format 0/1: non-empty text after </think>, the edit instruction, whether it says no further edit is needed).
-    Without a well-formed reflection the whole text is the instruction and the image is refined."""
-    _, closed, tail = text.partition("</think>")
+    """(format 0/1, the edit instruction, whether the image is kept). Format 1 for `<think>..</think>` then a
+    non-empty instruction (R3). The instruction is the text after the last </think>; without one (no </think>, or
+    nothing after it) or when it says "no further edit", there is no edit and the image is kept, as in R3."""
+    text = text.strip()
+    fmt = 1.0 if REFLECT_FORMAT.fullmatch(text) else 0.0
+    _, closed, tail = text.rpartition("</think>")
     instruction = tail.strip()
     if not (closed and instruction):
-        return 0.0, text.strip(), False
-    return 1.0, instruction, NO_EDIT in instruction.lower()
+        return fmt, NO_EDIT, True
+    return fmt, instruction, NO_EDIT_MATCH in instruction.lower()
 
 
 def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
@@ -316,17 +344,27 @@ def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
 
 
 def group_advantages(rewards, group_size, scale=False):
-    """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale."""
+    """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale.
+    Unscored rollouts (NaN) are left out of their group's mean and std and get advantage 0."""
     r = rewards.view(-1, group_size)
-    adv = r - r.mean(-1, keepdim=True)
+    scored = ~torch.isnan(r)
+    n = scored.sum(-1, keepdim=True)
+    mean = torch.where(scored, r, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
+    adv = torch.where(scored, r - mean, 0.0)
     if scale:
-        adv = adv / (r.std(-1, keepdim=True) + 1e-4)
+        adv = adv / ((adv ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt().add(1e-4)
     return adv.reshape(-1)
 
 
+SEED_STREAMS = 8  # text, initial noise, SDE step pick, SDE noise, buffer draw; room for more
+
+
 def seeds_for(seed, stream, step, indices):
-    """Counter-based int64 seeds per (run seed, stream, step, index): the same on any number of processes."""
-    return completion_seeds(seed * 4 + stream, step, indices)
+    """Counter-based int64 seeds per (run seed, stream, step, index): the same on any number of processes. Each
+    (seed, stream) pair has its own base, so no stream of one run seed is a stream of another."""
+    if not 0 <= stream < SEED_STREAMS:
+        raise ValueError(f"seed stream {stream} outside [0, {SEED_STREAMS})")
+    return completion_seeds(seed * SEED_STREAMS + stream, step, indices)
 
 
 def torch_generators(seeds, device):
@@ -372,7 +410,7 @@ def sde_window(cfg, step):
 def image_condition(cfg, gen, rows, texts, images=None):
     """What the generator draws from: each row's prompt + the VLM's text (its reasoning, or its edit instruction
     with the image to refine; then also the branch without the image that --cfg_img_scale_edit guides against)."""
-    extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}
+    extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}  # Qwen-Image
     return gen.encode_condition([f"{r['prompt']}\n{text}" for r, text in zip(rows, texts)], images=images,
                                 height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt,
                                 **extra)
@@ -394,7 +432,7 @@ def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_s
     for k, q in enumerate(prompt_ids):
         part = torch.arange(k * per, (k + 1) * per)
         noise_gen = torch.Generator(device=device).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
-        noise = gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen).repeat(per, 1, 1)
+        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen)] * per)  # any layout
         pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 2, step, [q])[0]))
         sde_steps = list(window) if window else [int(torch.randint(0, sde_range, (1,), generator=pick))]
         out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=sde_steps if enable_sde else [],
@@ -413,13 +451,12 @@ def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_s
 
 
 def score_images(cfg, reward_fn, texts, images, rows):
-    """The image reward per image; a reward that returns no score is an error, never a 0."""
+    """The image reward per image, every metadata column of the rows passed through. An image the reward gives no
+    score (None: e.g. a judge reply with no verdict) is NaN: left out of its group's mean and advantage (0) and
+    counted (`unscored`), never scored 0; a reward that fails raises."""
     columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
     scores = reward_fn(texts, images=images, **columns)
-    missing = [i for i, s in enumerate(scores) if s is None]
-    if missing:
-        raise RuntimeError(f"reward {cfg.reward_fn} returned no score for prompt {rows[missing[0]]['prompt']!r}")
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor([float("nan") if s is None else float(s) for s in scores], dtype=torch.float32)
 
 
 def user_message(text, with_image=False):
@@ -456,11 +493,13 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
 
 def build_buffer(accelerator, roll):
     """The reason step's (metadata, score, image) entries of all processes, in rollout order, split into the
-    perfect (score 1) and imperfect pools. Every process holds the same buffer."""
+    perfect (score 1) and imperfect pools (unscored images too: a refine of one is scored, its improvement is not).
+    Every process holds the same buffer."""
     entries = [dict(id=int(i), row=r, score=float(s), image=im)
                for i, r, s, im in zip(roll["global_ids"], roll["rows"], roll["scores"], roll["images"])]
     gathered = sorted((e for part in gather_object([entries]) for e in part), key=lambda e: e["id"])
-    return dict(perfect=[e for e in gathered if e["score"] >= 1.0], imperfect=[e for e in gathered if e["score"] < 1.0])
+    return dict(perfect=[e for e in gathered if e["score"] >= 1.0],
+                imperfect=[e for e in gathered if not e["score"] >= 1.0])  # NaN (unscored) included
 
 
 def draw_entry(buffer, cfg, step, slot):
@@ -538,13 +577,17 @@ def build_policy(cfg, vlm_path, gen_path, device):
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
     model = prepare_for_training(model, cfg)
+    if cfg.use_peft and cfg.freeze_vision_tower:  # LoRA's all-linear wraps the vision tower too: freeze those
+        freeze_vision_tower(model)
+    if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
+        disable_dropout(model)
     if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
         hidden, components = None, own_processor(gen_path)
     else:
         hidden = hf_core(model).config.get_text_config().hidden_size
         components = {"text_encoder": hf_core(model), "tokenizer": processor.tokenizer, "processor": processor}
     gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device, hidden=hidden,
-                                     components=components)
+                                     components=components, **cfg.generator_kwargs)
     return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
 
 
@@ -559,12 +602,49 @@ def own_processor(path):
     return {"processor": AutoProcessor.from_pretrained(folder)}
 
 
+# What each generator pipeline can do in the loop: read the VLM's hidden states (Qwen-Image), refine an image from
+# an instruction (an edit path: Qwen-Image-Edit, FLUX.2 Klein's reference images; SD3 and FLUX.1 have none), and
+# guide against the image (--cfg_img_scale_edit: Qwen-Image-Edit's image-free branch).
+QWEN_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline")
+EDIT_PIPELINES = QWEN_PIPELINES + ("Flux2KleinPipeline",)
+
+
+def pipeline_class(path):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(path)["_class_name"]
+
+
+def check_generators(cfg, gen_path):
+    """The generators' pipelines against the flags, from their model_index.json, before anything loads."""
+    for flag, path in (("generator_name_or_path", gen_path),
+                       ("edit_generator_name_or_path", cfg.edit_generator_name_or_path)):
+        if path is None:
+            continue
+        name = pipeline_class(path)
+        refines = cfg.reflect_refine and (flag.startswith("edit_") or not cfg.edit_generator_name_or_path)
+        if flag.startswith("edit_") and (name not in QWEN_PIPELINES or pipeline_class(gen_path) not in QWEN_PIPELINES):
+            raise ConfigError(f"--{flag} {path}: a {name}; the refine stage's own generator must be a Qwen-Image-Edit "
+                              "pipeline beside a Qwen-Image --generator_name_or_path (it reads that one's text "
+                              "encoder)")
+        if name not in QWEN_PIPELINES and cfg.conditioning != "generator":
+            raise ConfigError(f"--{flag} {path}: a {name} reads its own text encoders, not the VLM's states: use "
+                              f"--conditioning generator, not {cfg.conditioning}")
+        if refines and name not in EDIT_PIPELINES:
+            raise ConfigError(f"--reflect_refine: --{flag} {path} is a {name}, which has no edit path to refine an "
+                              "image from an instruction; use --reflect_refine false (or Qwen-Image, FLUX.2 Klein)")
+        if refines and name not in QWEN_PIPELINES and cfg.cfg_img_scale_edit > 1:
+            raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit}: --{flag} {path} (a {name}) has no "
+                              "image-free branch to guide against; use --cfg_img_scale_edit 1")
+
+
 def load_generator(cfg, path, flag, device, *, hidden, **options):
     """A generator from `path` (--`flag`) that reads `hidden`-dim text states (None: its own text encoder), made
     trainable (`train_generator`), with the settings both stages share. Returns (generator, trainable parameters)."""
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    conditioning = "base" if cfg.conditioning == "generator" else cfg.conditioning  # its own encoder is frozen
-    gen = load_flow_generator(path, dtype=dtype, device=device, conditioning=conditioning, **options)
+    if pipeline_class(path) in QWEN_PIPELINES:  # its conditioning: the VLM's base weights or the policy
+        options["conditioning"] = "base" if cfg.conditioning == "generator" else cfg.conditioning
+    gen = load_flow_generator(path, dtype=dtype, device=device, **options)
     joint = gen.transformer.config.joint_attention_dim
     if hidden is not None and joint != hidden:
         raise InputError(f"--{flag} reads {joint}-dim text states but the VLM's hidden size is {hidden}")
@@ -634,23 +714,24 @@ def build_edit_generator(cfg, edit_path, gen, device):
 
 def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
     """ce_weight * (token clipped surrogate / the step's text tokens + kl_weight_text * k3)
-    + mse_weight * (clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL).
+    + mse_weight * clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL.
     With a window of W SDE steps per image each step is one term with its image's advantage, and the image part is
     their mean (n_images x W terms). Normalisers span all processes (DDP averages the gradients, hence the world
     factor). `model`: the (prepared) MixGRPOModel, called once for both parts. Returns (loss, stats)."""
     loss, stats = torch.zeros((), device=roll["ids"].device), {}
     train_image = cfg.tune_image_cot and roll["steps"] is not None
-    out = model(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if cfg.tune_text_cot else None,
+    out = model(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature, True) if cfg.tune_text_cot else None,
                 image=(step_condition(roll), roll["steps"]) if train_image else None, edit=roll["stage"] == "reflect")
     if cfg.tune_text_cot:
-        logps = out["text"]
+        logps, entropy = out["text"]  # the policy's per-token entropy, from the same fused head pass
         text_loss, st = clipped_policy_loss(logps, roll["old_logps"], adv_text, roll["mask"],
                                             epsilon_low=cfg.clip_range_text, beta=cfg.kl_weight_text,
                                             ref_logps=ref_logps, loss_type="dapo", num_items_in_batch=text_tokens,
-                                            num_processes=world)
+                                            num_processes=world, entropy=entropy)
         loss = loss + cfg.ce_weight * text_loss
         stats.update(loss_text=text_loss.detach(), kl_text=st["kl"], clip_ratio_text=st["clip_ratio"],
-                     ratio_max_dev_text=st["ratio_max_dev"])
+                     ratio_max_dev_text=st["ratio_max_dev"], entropy_text=st["entropy"],
+                     entropy_high_frac_text=st["entropy_high_frac"])
     if train_image:
         steps, of = roll["steps"], roll["step_image"]
         logp, mean, std = out["image"]
@@ -661,8 +742,9 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
                                             epsilon_low=cfg.clip_range_image, loss_type="dapo",
                                             num_items_in_batch=n, num_processes=world)
         kl = (image_kl(mean, ref_mean, std) if ref_mean is not None else torch.zeros_like(logp)) * ones[:, 0]
-        image_loss = surrogate + cfg.kl_weight_image * kl.sum() / (n / world)
-        loss = loss + cfg.mse_weight * image_loss
+        # R3: mse_weight scales the surrogate only; the KL has its own weight
+        image_loss = cfg.mse_weight * surrogate + cfg.kl_weight_image * kl.sum() / (n / world)
+        loss = loss + image_loss
         stats.update(loss_image=image_loss.detach(), kl_image=kl.detach().sum() / ones.sum().clamp(min=1),
                      clip_ratio_image=st["clip_ratio"], ratio_max_dev_image=st["ratio_max_dev"])
     return loss, stats
@@ -693,6 +775,7 @@ def main(cfg: MixGRPOConfig):
     n_images = cfg.eval_images_per_prompt
     heldout_images = f"{len(val_rows or [])} prompts" + (f" x {n_images} images" if n_images > 1 else "")
     reward_fn = build_reward(cfg)
+    check_generators(cfg, gen_path)  # their pipelines against the flags (model_index.json), before any loads
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
     plugin = accelerator.state.deepspeed_plugin
@@ -737,8 +820,7 @@ def main(cfg: MixGRPOConfig):
     if resume_path:
         state = load_checkpoint(accelerator, resume_path)
         global_step = state["global_step"]
-        if os.path.isfile(os.path.join(resume_path, "reflect_buffer", "buffer.pt")):  # the next step reflects on it
-            buffer = torch.load(os.path.join(resume_path, "reflect_buffer", "buffer.pt"), weights_only=False)
+        buffer = load_buffer(os.path.join(resume_path, "reflect_buffer"))  # the next step reflects on it
         accelerator.print(f"resumed from {resume_path} at step {global_step}")
     sampler = SeededSampler(len(train_rows), seed=cfg.seed)
     if state:
@@ -819,8 +901,9 @@ def main(cfg: MixGRPOConfig):
             fmt = gather_by_index(accelerator, roll["formats"], roll["global_ids"], total)
             scores = gather_by_index(accelerator, roll["scores"], roll["global_ids"], total)
             metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(),
-                       f"{stage}/text_reward": all_text.mean(),
-                       f"{stage}/image_reward": all_image.mean(), f"{stage}/score": scores.mean(),
+                       f"{stage}/text_reward": all_text.nanmean(),
+                       f"{stage}/image_reward": all_image.nanmean(), f"{stage}/score": scores.nanmean(),
+                       f"{stage}/unscored": scores.isnan().float().mean(),
                        f"{stage}/format": fmt.mean(),
                        f"{stage}/text_advantage_abs": group_advantages(all_text, G, cfg.scale_advantages).abs().mean(),
                        f"{stage}/image_advantage_abs": gather_by_index(accelerator, adv_image, roll["global_ids"],
@@ -833,7 +916,7 @@ def main(cfg: MixGRPOConfig):
                 metrics["reflect/no_edit"] = gather_by_index(accelerator, roll["no_edit"], roll["global_ids"],
                                                              total).mean()
                 metrics["reflect/improvement"] = (scores - gather_by_index(
-                    accelerator, roll["score_prev"], roll["global_ids"], total)).mean()
+                    accelerator, roll["score_prev"], roll["global_ids"], total)).nanmean()
             for k, v in stats.items():
                 reduced = accelerator.reduce(v.float(), "max" if k.startswith("ratio_max_dev") else "mean")
                 metrics[f"{stage}/{k}"] = reduced.item()
@@ -954,11 +1037,49 @@ def generator_card(cfg, gen_path, parts):
     return "\n".join(lines + [""] + code + ["```"])
 
 
+BUFFER_POOLS = ("perfect", "imperfect")
+
+
 def save_buffer(buffer, folder):
-    """The reflect buffer (metadata, score, PIL image per entry), so that a run resumed before a reflect step
-    reflects on the same images."""
+    """The reflect buffer, so that a run resumed before a reflect step reflects on the same images: each entry's
+    id, row and score in buffer.json, its image's RGB pixels (uint8 tensors, lossless) in images.pt. Nothing
+    pickled, so `load_buffer` reads it with weights_only=True: a checkpoint from elsewhere cannot run code."""
+    import numpy as np
+
     os.makedirs(folder, exist_ok=True)
-    torch.save(buffer, os.path.join(folder, "buffer.pt"))
+    meta = {pool: [dict(id=e["id"], row=e["row"], score=e["score"]) for e in buffer[pool]]
+            for pool in BUFFER_POOLS}
+    pixels = {pool: [torch.from_numpy(np.array(e["image"].convert("RGB"))) for e in buffer[pool]]
+              for pool in BUFFER_POOLS}
+    with open(os.path.join(folder, "buffer.json"), "w") as f:
+        json.dump(meta, f)
+    torch.save(pixels, os.path.join(folder, "images.pt"))
+
+
+def load_buffer(folder):
+    """The buffer `save_buffer` wrote, or None when `folder` holds none. Tensors only: a file holding any other
+    object (a pickled buffer of older checkpoints included) is refused with an error naming it."""
+    from PIL import Image
+
+    legacy = os.path.join(folder, "buffer.pt")
+    if os.path.isfile(legacy):
+        raise InputError(f"{legacy}: a pickled reflect buffer, refused (unpickling can run code); delete it to "
+                         "resume with a fresh buffer")
+    meta_path, pixels_path = os.path.join(folder, "buffer.json"), os.path.join(folder, "images.pt")
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        pixels = torch.load(pixels_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refuses any object that is not a tensor or a plain container
+        raise InputError(f"{pixels_path}: not a tensors-only file, refused ({str(exc).splitlines()[0]})") from None
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for pool in BUFFER_POOLS:
+        if not isinstance(pixels.get(pool), list) or len(pixels[pool]) != len(meta.get(pool, [])):
+            raise InputError(f"{pixels_path}: its {pool!r} images do not match {meta_path}'s entries")
+    return {pool: [dict(id=e["id"], row=e["row"], score=e["score"],
+                        image=Image.fromarray(px.numpy()))
+                   for e, px in zip(meta[pool], pixels[pool])] for pool in BUFFER_POOLS}
 
 
 def _trackers(report_to):
@@ -980,11 +1101,13 @@ def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processo
 
 
 def score_heldout(cfg, reward_fn, texts, images, batch_rows):
-    columns = {key: [r.get(key) for r in batch_rows] for key in sorted({k for r in batch_rows for k in r})}
-    scores = reward_fn(texts, images=images, **columns)
-    if any(s is None for s in scores):
-        raise RuntimeError(f"reward {cfg.reward_fn} returned no score on a held-out image")
-    return [float(s) for s in scores]
+    return score_images(cfg, reward_fn, texts, images, batch_rows).tolist()  # NaN: unscored
+
+
+def scored_mean(values):
+    """Mean over the values that are not NaN (unscored images), NaN when there are none."""
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_offset=0, **generate):
@@ -1036,13 +1159,25 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                          shift=cfg.timestep_shift, latents=noise, output_type="pil")
             scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
             details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
+            for d, r in zip(details, batch_rows):
+                d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
             refined = [None] * len(idx)
             if cfg.reflect_refine:
-                reflections, images, no_edit = refine_heldout(cfg, batch_rows, idx, out.images, edit_gen or gen,
-                                                              accelerator, noise_offset=offset, **generate)
-                new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+                images, new_scores, stopped = list(out.images), list(scores), [False] * len(idx)
+                for n in range(1, cfg.eval_refine_rounds + 1):  # R3: rounds until "no further edit"
+                    prev = new_scores
+                    reflections, candidates, no_edit = refine_heldout(
+                        cfg, batch_rows, idx, images, edit_gen or gen, accelerator,
+                        noise_offset=offset + (n - 1) * 104729, **generate)  # each round its own noise
+                    stopped = [a or b for a, b in zip(stopped, no_edit)]
+                    images = [im if stop else new for im, new, stop in zip(images, candidates, stopped)]
+                    new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+                    if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
+                        for d, a, b in zip(details, prev, new_scores):
+                            d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
+                                      f"round{n}_worse": float(b < a), f"round{n}_same": float(b == a)})
                 refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
-                           for s, k, im in zip(new_scores, no_edit, images)]
+                           for s, k, im in zip(new_scores, stopped, images)]
                 if shapes:
                     for d, r, im in zip(details, batch_rows, images):
                         d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
@@ -1060,9 +1195,12 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
             if grid_images:
                 save_grid(grid_images, path)
     n = len(gathered)
-    result = dict(reward=sum(r[1] for r in gathered) / n, format=sum(r[2] for r in gathered) / n, samples=n)
-    for key in sorted({k for r in gathered for k in r[3]}):  # refine, and the shapes scorer's view (strict, objects)
-        result[key] = sum(r[3][key] for r in gathered) / n
+    result = dict(reward=scored_mean([r[1] for r in gathered]), format=sum(r[2] for r in gathered) / n, samples=n,
+                  unscored=sum(math.isnan(r[1]) for r in gathered) / n)
+    for key in sorted({k for r in gathered for k in r[3]} - {"tag"}):  # refine, the shapes scorer's view
+        result[key] = scored_mean([r[3][key] for r in gathered])
+    for tag in sorted({r[3]["tag"] for r in gathered if r[3].get("tag") is not None}):
+        result[f"tag_{tag}"] = scored_mean([r[1] for r in gathered if r[3].get("tag") == tag])
     return result
 
 

@@ -34,6 +34,7 @@ from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core
 from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.packing import packed_sequence_hidden, resolve_padding_free
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
@@ -54,6 +55,9 @@ class SFTConfig:
     freeze_multi_modal_projector: bool = field(default=False,
                                                metadata={"help": "also freeze the vision-to-LM projector"})
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    padding_free: Optional[bool] = field(default=None, metadata={"help": (
+        "pack each micro-batch's sequences end to end without padding (TRL's flag); none: where the model allows "
+        "it, true: required, false: padded")})
     bf16: bool = False  # bf16 mixed precision (accelerate autocast)
     use_peft: bool = False  # train LoRA adapters instead of all weights
     lora_r: int = 16  # LoRA rank
@@ -152,8 +156,11 @@ class AssistantNLL(CompletionLogProbs):
     def forward(self, batch):
         core = hf_core(self.model)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        out = core.base_model(**inputs, use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if self.padding_free:
+            hidden, _ = packed_sequence_hidden(core.base_model, inputs)
+        else:
+            out = core.base_model(**inputs, use_cache=False)
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         head = core.get_output_embeddings()
         # The hidden state at position i predicts token i + 1.
         logps = fused_token_logprobs(hidden[:, :-1], head.weight, batch["labels"][:, 1:], bias=head.bias)
@@ -205,7 +212,7 @@ def main(cfg: SFTConfig):
     # frames sampled and sized the same way at every step and in every process (utils/video.py)
     video_budget = budget_from_config(processor, cfg) if "videos" in dataset.column_names else None
     model = prepare_for_training(model, cfg)
-    policy = AssistantNLL(model)
+    policy = AssistantNLL(model, padding_free=resolve_padding_free(cfg.padding_free, model, accelerator.print))
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
     # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused

@@ -12,6 +12,12 @@ Workloads (`--workloads`, default all three, each with its target):
   forced    the CRYSTAL JSON system prompt with the 84 px image (126 prompt tokens), every completion forced to
             64 tokens (equal work on both sides: TRL through `generation_kwargs={"min_new_tokens": N}`, ours by
             adding the EOS ids to the tokens its sampler suppresses; train_grpo.py has no min-length flag).
+  longtail  the 448 px image (256 image tokens), completions forced to the maximum as in `forced`, then each cut
+            to a length drawn log-normal (bench/bench_packing.py's `longtail_lengths`: median max / 8, a few
+            at the maximum), the same draws on both sides, as if it had stopped there: the workload where
+            padding costs most. Target >= 1.5x TRL. (Not in the default set: --workloads longtail.)
+Frameworks (`--frameworks`): ours (train_grpo.py as configured by default, --padding_free on where supported),
+ours_padded (the same with --padding_free false) and trl.
 Targets hold at no more peak memory than TRL. Natural lengths differ between the two samplers (different
 random streams), so the mean completion length of each side is printed next to its time.
 
@@ -48,7 +54,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("generation", "logprob", "rewards", "backward")
-FRAMEWORKS = ("ours", "trl")
+FRAMEWORKS = ("ours", "ours_padded", "trl")
+DEFAULT_FRAMEWORKS = ("ours", "trl")
 
 FULL = dict(hidden_size=256, num_hidden_layers=4, max_completion_length=64, steps=5)
 QUICK = dict(hidden_size=128, num_hidden_layers=2, max_completion_length=16, steps=2)
@@ -56,7 +63,9 @@ WORKLOADS = {
     "short": dict(image_size=84, template="plain", force_length=False, target=1.2),
     "image448": dict(image_size=448, template="plain", force_length=False, target=2.0),
     "forced": dict(image_size=84, template="crystal_json", force_length=True, target=1.2),
+    "longtail": dict(image_size=448, template="plain", force_length=True, longtail=True, target=1.5),
 }
+DEFAULT_WORKLOADS = ("short", "image448", "forced")
 
 
 def parse_args(argv=None):
@@ -77,9 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads in each worker")
     p.add_argument("--gradient_checkpointing", action="store_true",
                    help="turn it on in both (TRL's default is on, ours off; both off by default here)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
-                   help="which workloads to run (default: all three)")
-    p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    p.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=list(WORKLOADS),
+                   help="which workloads to run (default: short, image448, forced)")
+    p.add_argument("--frameworks", nargs="+", default=list(DEFAULT_FRAMEWORKS), choices=FRAMEWORKS)
     p.add_argument("--repeats", type=int, default=1, help="run every framework this many times (alternating)")
     p.add_argument("--workdir", default=None, help="where the model, data and run folders go (default: a temp dir)")
     p.add_argument("--json", default=None, help="write all results here")
@@ -114,9 +123,34 @@ def current_rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def cut_to_longtail(spec):
+    """f(completion lengths list) -> the same completions cut to this step's long-tailed lengths (the n-th call
+    draws with seed (seed, n)): identical draws for every framework."""
+    from bench.bench_packing import longtail_lengths
+
+    calls = [0]
+
+    def lengths(n):
+        calls[0] += 1
+        return longtail_lengths(n, spec["max_completion_length"], spec["seed"] * 1000 + calls[0])
+
+    return lengths
+
+
 def run_ours(spec):
     """train_grpo.main on the spec; timings from its metrics.jsonl."""
     import train_grpo
+
+    if spec.get("longtail"):
+        draw, generate = cut_to_longtail(spec), train_grpo.generate_completions
+
+        def generate_longtail(*a, **kw):
+            ids, mask = generate(*a, **kw)
+            for k, n in enumerate(draw(ids.shape[0])):
+                mask[k, n:] = 0
+            return ids, mask
+
+        train_grpo.generate_completions = generate_longtail
 
     if spec["force_length"]:
         # No min-length flag in train_grpo.py: suppressing EOS for the whole completion is what
@@ -148,7 +182,8 @@ def run_ours(spec):
         loss_type=spec["loss_type"], learning_rate=spec["learning_rate"], num_iterations=1,
         max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_steps=10**9, report_to="none",
         output_dir=spec["output_dir"], seed=spec["seed"], log_completions=False, dtype="float32",
-        gradient_checkpointing=spec["gradient_checkpointing"], cpu_threads=spec["threads"])
+        gradient_checkpointing=spec["gradient_checkpointing"], cpu_threads=spec["threads"],
+        padding_free=False if spec["framework"] == "ours_padded" else None)
     train_grpo.main(cfg)
     with open(os.path.join(spec["output_dir"], "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -180,7 +215,10 @@ def run_trl(spec):
                 self.phase_times[phase] += time.perf_counter() - t0
 
         def _generate_single_turn(self, *a, **kw):
-            return self._timed("generation", super()._generate_single_turn, *a, **kw)
+            completion_ids, logprobs = self._timed("generation", super()._generate_single_turn, *a, **kw)
+            if spec.get("longtail"):
+                completion_ids = [ids[:n] for ids, n in zip(completion_ids, draw(len(completion_ids)))]
+            return completion_ids, logprobs
 
         def _calculate_rewards(self, *a, **kw):
             return self._timed("rewards", super()._calculate_rewards, *a, **kw)
@@ -194,6 +232,7 @@ def run_trl(spec):
             return self._timed("prepare", super()._prepare_inputs, *a, **kw)
 
     steps, marks = [], {}
+    draw = cut_to_longtail(spec)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -248,7 +287,7 @@ def worker(args):
     torch.set_num_threads(spec["threads"])
     sys.path.insert(0, REPO)
     baseline = current_rss_mb()
-    steps, marks = (run_ours if args.worker == "ours" else run_trl)(spec)
+    steps, marks = (run_trl if args.worker == "trl" else run_ours)(dict(spec, framework=args.worker))
     result = dict(framework=args.worker, steps=steps, peak_rss_mb=peak_rss_mb(), start_rss_mb=baseline, **marks,
                   trl_imported="trl" in sys.modules)
     with open(args.result, "w") as f:
@@ -326,8 +365,15 @@ def print_table(rows, title, target):
               f"{r['sec_per_step_min']:>7.3f} {r['cpu_sec_per_step']:>7.3f} {r['completions_per_sec']:>8.2f} "
               f"{r['peak_rss_mb']:>12.0f} {r['mean_completion_length']:>9.1f}   {shares}")
     by = {r["framework"]: r for r in rows}
+    packing = {}
+    if "ours" in by and "ours_padded" in by:
+        packing = dict(packed_step_ratio=by["ours"]["sec_per_step"] / by["ours_padded"]["sec_per_step"],
+                       packed_cpu_ratio=by["ours"]["cpu_sec_per_step"] / by["ours_padded"]["cpu_sec_per_step"],
+                       packed_rss_ratio=by["ours"]["peak_rss_mb"] / by["ours_padded"]["peak_rss_mb"])
+        print(f"step packed / padded = {packing['packed_step_ratio']:.2f}x time (median), "
+              f"{packing['packed_cpu_ratio']:.2f}x CPU time, {packing['packed_rss_ratio']:.2f}x peak RSS")
     if "ours" not in by or "trl" not in by:
-        return {}
+        return packing
     ours, trl = by["ours"], by["trl"]
     ratios = dict(throughput_ratio=trl["sec_per_step"] / ours["sec_per_step"],
                   throughput_ratio_min=trl["sec_per_step_min"] / ours["sec_per_step_min"],
@@ -335,7 +381,7 @@ def print_table(rows, title, target):
                   # per generated token: natural lengths differ between the two samplers
                   token_throughput_ratio=(trl["sec_per_step"] / trl["mean_completion_length"])
                   / (ours["sec_per_step"] / ours["mean_completion_length"]),
-                  rss_ratio=ours["peak_rss_mb"] / trl["peak_rss_mb"])
+                  rss_ratio=ours["peak_rss_mb"] / trl["peak_rss_mb"], **packing)
     speed, mem = ratios["throughput_ratio"], ratios["rss_ratio"]
     print(f"throughput ours / TRL = {speed:.2f}x median, {ratios['throughput_ratio_min']:.2f}x best step, "
           f"{ratios['throughput_ratio_cpu']:.2f}x CPU time, {ratios['token_throughput_ratio']:.2f}x per generated "
@@ -367,6 +413,7 @@ def main(args):
                     max_completion_length=args.max_completion_length, beta=args.beta, loss_type=args.loss_type,
                     learning_rate=args.learning_rate, warmup=args.warmup, steps=args.steps, threads=args.threads,
                     force_length=load["force_length"], template=load["template"], seed=args.seed,
+                    longtail=load.get("longtail", False),
                     gradient_checkpointing=args.gradient_checkpointing)
         print(f"\n=== workload {workload}: {load['image_size']} px image, {load['template']} prompt, "
               f"{'forced' if load['force_length'] else 'natural'} length (max {args.max_completion_length} new "

@@ -116,5 +116,10 @@ if has vllm; then
     check grpo_vllm_metrics 10 grep -q '"vllm/is_weight_mean"' "$RESULTS/grpo_vllm/metrics.jsonl"
 fi
 
+# ---- 6. padding-free packing: the training log-prob pass padded vs packed on the long-tailed workload (256 image
+#         tokens a prompt, completions log-normal in [16, 1024]): tokens/s and peak memory of each
+check bench_packing 60 "$PY" bench/bench_packing.py --device cuda --full --hidden_size 512 --num_hidden_layers 8 \
+    --prompts 4 --num_generations 8 --workdir "$RESULTS/bench_packing" --json "$RESULTS/bench_packing.json"
+
 log "done in $((SECONDS - START))s, status $STATUS; results in $RESULTS"
 exit $STATUS

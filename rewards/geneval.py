@@ -228,3 +228,52 @@ def _geneval(completions, images=None, *, client, only_strict, metadata_keys, **
         for i, score in zip(keep, reply["scores"]):
             out[i] = float(score)
     return out
+
+
+# ---- GenEval++: R3's VLM judge reads the same metadata rows (rewards/judge.py sends the request) ----
+
+# R3's GenEval++ judge (its train/reward_func.py): a system prompt of strict rules, and a user turn with the
+# instruction and the checklist built from the row's GenEval metadata (`geneval_plus_checklist`).
+GENEVAL_PLUS_SYSTEM = """You are an expert image evaluator.
+
+Your task is to determine whether the given image faithfully satisfies the visual instruction and the expectation \
+checklist.
+
+Follow these rules strictly:
+1. The image must match **all** expectations, including:
+   - Object classes
+   - Counts of each object
+   - Colors of each object
+   - Spatial position within the image (e.g., "above", "below", based on real pixel position)
+   - Size and relative scale of objects
+2. The image must appear as a **natural, coherent, photo-like single image**.
+   - Do NOT allow stylized images (e.g., cartoons, sketches, anime).
+   - Do NOT allow collage-style or multi-panel images. Only one consistent, realistic scene is acceptable.
+3. Be very strict and conservative in your judgment.
+
+Return your result as a JSON object using this format:
+{
+  "correct": 1 if the image fully satisfies all expectations, else 0,
+}
+"""
+GENEVAL_PLUS_PROMPT = "Instruction: {prompt}\n\nExplanation: {checklist}"
+
+
+def geneval_plus_checklist(include: Sequence[dict], exclude: Sequence[dict] | None = None) -> str:
+    """R3's checklist of a GenEval row: one line per include item ("{color}-colored {size} {count} {class}s
+    located in the {region} part of the image", the missing attributes left out) and per exclude item ("No more
+    than {count - 1} {class}s should appear.")."""
+    def plural(name, count):
+        return name + "s" if count > 1 else name
+
+    lines = []
+    for item in include:
+        count = item.get("count", 1)
+        noun = " ".join([*([f"{item['color']}-colored"] if item.get("color") else []),
+                         *([item["size"]] if item.get("size") else []), f"{count} {plural(item['class'], count)}"])
+        where = f"located in the {item['region']} part of the image" if item.get("region") else "present in the image"
+        lines.append(f"- {noun} {where}.")
+    for item in exclude or []:
+        count = item.get("count", 1)
+        lines.append(f"- No more than {count - 1} {plural(item['class'], count)} should appear.")
+    return "This image should contain:\n" + "\n".join(lines)

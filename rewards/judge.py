@@ -5,7 +5,9 @@ and retries (connection errors, timeouts, 429 and 5xx, exponential backoff). Rep
 tolerant JSON extractor: reasoning blocks, code fences, prose around the object, Python-style literals
 and trailing commas are all handled.
 
-    judge_geneval_plus  GenEval++: the judge returns {"correct": true|false}; the reward is 1.0 / 0.0
+    judge_geneval_plus  GenEval++ (R3's judge): strict rules as the system prompt, the prompt and a checklist built
+                        from the row's include / exclude metadata; the judge returns {"correct": 1|0}; the
+                        reward is 1.0 / 0.0, None when the reply holds no verdict
     judge_tiif          TIIF: the judge answers the row's yn_question_list; the reward is the fraction of
                         its answers equal to yn_answer_list
 """
@@ -26,6 +28,7 @@ from typing import Any, Sequence
 import requests
 
 from rewards.common import RewardFunction, check_length, content_text, image_bytes, optional_column
+from rewards.geneval import GENEVAL_PLUS_PROMPT, GENEVAL_PLUS_SYSTEM, geneval_plus_checklist
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +74,10 @@ class JudgeClient:
             self._local.session = requests.Session()
         return self._local.session
 
-    def chat(self, prompt: str, image: Any = None, *, reasoning: bool = False, **params) -> str:
-        """One user turn (image first, then text); returns the assistant's text.
+    def chat(self, prompt: str, image: Any = None, system: str | None = None, *, reasoning: bool = False,
+             **params) -> str:
+        """One user turn (image first, then text), after a system turn when `system` is given; returns the
+        assistant's text.
 
         `params` go into the request body over the client's defaults (e.g. seed, top_p, temperature). With
         `reasoning`, a reply whose server split the chain of thought off (`reasoning_content`, as vLLM's
@@ -82,7 +87,8 @@ class JudgeClient:
         if image is not None:
             content.append({"type": "image_url", "image_url": {"url": image_data_url(image)}})
         content.append({"type": "text", "text": prompt})
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}],
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        body = {"model": self.model, "messages": messages,
                 "temperature": self.temperature, "max_tokens": self.max_tokens, **params}
         headers = {"Authorization": f"Bearer {self.api_key}"}
         last_error = None
@@ -115,7 +121,8 @@ class JudgeClient:
                          f"(timeout={self.timeout}s); last error: {last_error}")
 
     def chat_many(self, requests_: Sequence[tuple[str, Any]]) -> list[str]:
-        """``chat`` over (prompt, image) pairs with at most ``max_concurrency`` in flight; input order kept."""
+        """``chat`` over (prompt, image[, system]) tuples with at most ``max_concurrency`` in flight; input order
+        kept."""
         if not requests_:
             return []
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(requests_))) as pool:
@@ -223,13 +230,6 @@ def _truth(value: Any) -> bool | None:
 
 # --- rewards ----------------------------------------------------------------------------------------------
 
-GENEVAL_PLUS_PROMPT = """You are a strict judge of text-to-image generation.
-The image was generated for this prompt:
-"{prompt}"
-Check every object the prompt names: it must be present, with the exact count, colour, position and other
-attributes the prompt asks for, and nothing the prompt excludes may appear.
-Reply with JSON only: {{"reason": "<one short sentence>", "correct": true or false}}"""
-
 TIIF_PROMPT = """Look at the image and answer each question with yes or no.
 {questions}
 Reply with JSON only: {{"answers": ["yes" or "no", ...]}} with exactly {n} answers, in question order."""
@@ -262,36 +262,47 @@ def _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max
                        max_concurrency=max_concurrency, max_tokens=max_tokens, backoff=backoff)
 
 
-def geneval_plus_verdict(reply: str) -> float:
-    """1.0 when the judge's reply says ``"correct": true``, else 0.0 (an unreadable reply counts as wrong)."""
+def geneval_plus_verdict(reply: str) -> float | None:
+    """1.0 when the judge's reply says ``"correct": true`` (or 1), 0.0 for false; None when no verdict can be read
+    from it (no score rather than a silent 0: the trainer leaves such images out and counts them)."""
     data = extract_json(reply)
     value = data.get("correct") if isinstance(data, dict) else None
     if value is None:  # no parsable object: look for the key itself
         m = re.search(r"[\"']?correct[\"']?\s*[:=]\s*[\"']?(\w+)", reply or "", re.IGNORECASE)
         value = m.group(1) if m else None
-    return 1.0 if _truth(value) else 0.0
+    truth = _truth(value)
+    return None if truth is None else float(truth)
 
 
 def judge_geneval_plus_reward(base_url: str = DEFAULT_JUDGE_URL, model: str = DEFAULT_JUDGE_MODEL,
                               api_key: str | None = None, timeout: float = 60.0, max_retries: int = 3,
                               max_concurrency: int = 8, max_tokens: int = 512, backoff: float = 0.5,
-                              prompt_template: str = GENEVAL_PLUS_PROMPT, prompt_column: str = "prompt"):
-    """GenEval++ judge: ``fn(completions, images=[PIL, ...], prompt=[...])`` -> 1.0 / 0.0 per image.
+                              prompt_template: str = GENEVAL_PLUS_PROMPT, system_prompt: str = GENEVAL_PLUS_SYSTEM,
+                              prompt_column: str = "prompt"):
+    """GenEval++ judge (R3's): ``fn(completions, images=[PIL, ...], prompt=[...], include=[[item, ...]],
+    exclude=[[item, ...]])`` -> 1.0 / 0.0 per image, None for an image that is None or a reply with no verdict.
 
-    ``prompt_template`` is formatted with ``prompt=``; images that are None get None.
+    Each request: ``system_prompt``, then a user turn with the image and ``prompt_template`` formatted with
+    ``prompt=`` and ``checklist=`` (`geneval_plus_checklist` of the row's include / exclude items).
     """
     client = _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff)
     return RewardFunction("judge_geneval_plus", _judge_geneval_plus, client=client, prompt_template=prompt_template,
-                          prompt_column=prompt_column)
+                          system_prompt=system_prompt, prompt_column=prompt_column)
 
 
-def _judge_geneval_plus(completions, images=None, *, client, prompt_template, prompt_column,
+def _judge_geneval_plus(completions, images=None, *, client, prompt_template, system_prompt, prompt_column,
                         **columns) -> list[float | None]:
     n = len(completions)
     images = _images(images, n, "judge_geneval_plus")
     prompts = _prompts(columns, n, "judge_geneval_plus", prompt_column)
+    include = optional_column(columns, "include", n, "judge_geneval_plus")
+    if include is None:
+        raise ValueError(f"reward 'judge_geneval_plus' needs the GenEval metadata column 'include' (its checklist); "
+                         f"columns given: {sorted(columns)}")
+    exclude = optional_column(columns, "exclude", n, "judge_geneval_plus") or [None] * n
     keep = [i for i in range(n) if images[i] is not None]
-    replies = client.chat_many([(prompt_template.format(prompt=prompts[i]), images[i]) for i in keep])
+    replies = client.chat_many([(prompt_template.format(prompt=prompts[i].strip(), checklist=geneval_plus_checklist(
+        include[i] or [], exclude[i])), images[i], system_prompt) for i in keep])
     out: list[float | None] = [None] * n
     for i, reply in zip(keep, replies):
         out[i] = geneval_plus_verdict(reply)

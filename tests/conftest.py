@@ -42,17 +42,40 @@ def two_torch_threads():
 def distill_world(tmp_path_factory):
     """(questions.jsonl, its rows, a tiny reasoner that knows their chains by heart): tests/distill_helpers.py."""
     from tests.distill_helpers import train_memorized_reasoner, write_questions
+    from tests.launch_helpers import failing_fixture
 
     folder = tmp_path_factory.mktemp("distill-world")
-    path, rows = write_questions(str(folder))
-    return path, rows, train_memorized_reasoner(rows, str(folder / "reasoner"))
+    with failing_fixture("the distill world (16 shapes questions, the tiny reasoner trained on their chains)"):
+        path, rows = write_questions(str(folder))
+        return path, rows, train_memorized_reasoner(rows, str(folder / "reasoner"))
 
 
 @pytest.fixture(scope="session")
 def reasoner_server(distill_world, tmp_path_factory):
     """`transformers serve` of that reasoner on 127.0.0.1, for the whole session."""
+    from tests.launch_helpers import failing_fixture
     from utils.serving import LocalServer
 
     log = str(tmp_path_factory.mktemp("reasoner-server") / "server.log")
-    with LocalServer(distill_world[2], device="cpu", log_path=log) as server:
+    with failing_fixture(f"`transformers serve` of the tiny reasoner (its log: {log})"):
+        server = LocalServer(distill_world[2], device="cpu", log_path=log).start()
+    try:
         yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family -> (model, processor) of a tiny family (tests/family_helpers.py), each built once per session."""
+    from tests.family_helpers import build_family
+
+    root = tmp_path_factory.mktemp("families")
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = build_family(str(root / family), family)
+        return built[family]
+
+    return get

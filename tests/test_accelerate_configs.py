@@ -125,6 +125,7 @@ def _free_port():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_process_ddp_launch_on_cpu(tmp_path):
     accelerate_bin = Path(sys.executable).parent / "accelerate"
     result = tmp_path / "ddp_result.json"

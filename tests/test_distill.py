@@ -4,19 +4,14 @@ only for the failure cases: 5xx, timeouts, malformed replies), including a SIGKI
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from distill import DistillConfig, read_records, validate
 from distill import main as distill_main
+from tests.launch_helpers import finish, launch_python, sigkill_when
 from utils.chains import cut_reflection, filter_chains, final_answer, parse_chain, select_chain, sft_target
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 # --- the filters, one table each -------------------------------------------------------------------------
 
@@ -304,6 +299,7 @@ def test_retries_timeouts_and_malformed_replies(distill_world, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sigkill_mid_run_then_restart_finishes_every_question_once(distill_world, reasoner_server, tmp_path):
     import yaml
 
@@ -315,27 +311,17 @@ def test_sigkill_mid_run_then_restart_finishes_every_question_once(distill_world
     def launch(out):
         recipe = tmp_path / f"{out}.yaml"
         recipe.write_text(yaml.safe_dump({**cfg, "output_dir": str(tmp_path / out)}))
-        return subprocess.Popen([sys.executable, os.path.join(REPO, "distill.py"), "--config", str(recipe)],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        return launch_python("distill.py", ["--config", str(recipe)])
 
     def lines(out):
         return sum(len(read_records(str(tmp_path / out / f))) for f in ("sft.jsonl", "drops.jsonl"))
 
-    full = launch("full")
-    assert full.wait(timeout=600) == 0, full.stdout.read()[-2000:]
+    finish(launch("full"), timeout=600)
     victim = launch("killed")
-    deadline = time.time() + 300
-    while lines("killed") < 3:
-        assert victim.poll() is None and time.time() < deadline, victim.stdout.read()[-2000:]
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    sigkill_when(victim, lambda: lines("killed") >= 3, timeout=300)
     done = lines("killed")
     assert 3 <= done < len(rows), "the kill came after the run had finished"
-    restart = launch("killed")
-    out = restart.communicate(timeout=600)[0]
-    assert restart.returncode == 0, out[-2000:]
+    out = finish(launch("killed"), timeout=600)
     assert f"{done} finished earlier, {len(rows) - done} to do" in out
     ids = [r["id"] for f in ("sft.jsonl", "drops.jsonl") for r in read_records(str(tmp_path / "killed" / f))]
     assert sorted(ids) == sorted(r["id"] for r in rows)  # every question once, none twice

@@ -3,16 +3,14 @@ two-cycle run on tiny models that is SIGKILLed mid-stage and resumed."""
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
 import iterate
 from iterate import IterateConfig, Runner, mix_sft_sets, stage_recipe, write_recipe
+from tests.launch_helpers import finish, launch_python, sigkill_when
 from utils.config import ConfigError, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,24 +174,15 @@ def test_two_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world,
     run = tmp_path / "run"
 
     def launch():
-        return subprocess.Popen([sys.executable, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return launch_python("iterate.py", ["--config", str(recipe)])
 
-    victim = launch()
-    deadline = time.time() + 900
-    while not (run / "cycle-1" / "sft" / "checkpoint-2").exists():
-        assert victim.poll() is None and time.time() < deadline, victim.stdout.read()[-3000:]
-        time.sleep(0.1)
-    os.killpg(victim.pid, signal.SIGKILL)  # iterate, the stage's launcher and its worker
-    victim.wait()
+    # SIGKILL iterate, the stage's launcher and its worker, mid-SFT
+    sigkill_when(launch(), run / "cycle-1" / "sft" / "checkpoint-2", timeout=900, poll=0.1)
     assert not (run / "cycle-1" / "sft" / "stage.json").exists(), "the kill came after the stage had finished"
     finished = {p: (p.read_text(), p.stat().st_mtime) for p in (run / "eval-base" / "stage.json",
                                                                 run / "cycle-1" / "data" / "stage.json")}
 
-    restart = launch()
-    out = restart.communicate(timeout=1800)[0]
-    assert restart.returncode == 0, out[-3000:]
+    out = finish(launch(), timeout=1800)
     assert "[iterate] eval-base: finished earlier" in out and "[iterate] cycle-1/data: finished earlier" in out
     assert {p: (p.read_text(), p.stat().st_mtime) for p in finished} == finished  # never redone
     assert "resumed from" in (run / "cycle-1" / "sft" / "stage.log").read_text()  # from its last checkpoint

@@ -381,13 +381,22 @@ def test_group_advantages_rejects_bad_input():
 # ----------------------------------------------------------------------------------------------
 
 
+# The Triton cases under the interpreter, in two parts: the fast tier runs every kernel's cases (fused log-probs and
+# entropy, token log-probs, group advantages, bf16 autocast); the full tier adds the sweep over every LM-head tile
+# configuration and the TRL-parity case (it imports TRL, about a minute in a fresh interpreter).
+SWEEP = "every_head_config or unscorable_samples_leave_the_baseline"
+
+
 @pytest.mark.skipif(INTERPRET or HAS_CUDA or logprob.triton is None,
                     reason="the Triton cases run directly here (CUDA, or already interpreting)")
-def test_interpreter_suite():
+@pytest.mark.parametrize("cases", [f"triton and not ({SWEEP})",
+                                   pytest.param(f"triton and ({SWEEP})", marks=[pytest.mark.slow, pytest.mark.full])],
+                         ids=["kernels", "sweep"])
+def test_interpreter_suite(cases):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     precision = os.path.join(os.path.dirname(__file__), "test_kernel_precision.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, precision, "-k", "triton"],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, precision, "-k", cases],
         capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

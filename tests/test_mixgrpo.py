@@ -4,10 +4,6 @@ loss at unchanged weights (ratio 1, KL 0, CFG on), tune_* gradients, 1 vs 2 proc
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -17,11 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 import train_mixgrpo as tm
+from tests.launch_helpers import cli as flags
+from tests.launch_helpers import failing_fixture, finish, launch, sigkill_when
 from train_mixgrpo import MixGRPOConfig
 from utils.tracking import read_jsonl
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
 @pytest.mark.parametrize("score, fmt, w, text, image", [
@@ -38,8 +33,8 @@ def test_reason_rewards(score, fmt, w, text, image):
 
 @pytest.mark.parametrize("text, fmt, reasoning", [
     ("<think>two red circles on the left</think>", 1.0, "two red circles on the left"),
-    ("  <think>\nplan\n</think> trailing", 1.0, "plan"),
-    ("<think> </think>", 0.0, "<think> </think>"),  # empty reasoning is not well-formed
+    ("  <think>\nplan\n</think> trailing", 0.0, "plan"),  # R3: nothing may follow the reasoning
+    ("<think> </think>", 1.0, ""),  # R3's rule: an empty think block is well-formed
     ("no tags here", 0.0, "no tags here"),
     ("<think>unclosed", 0.0, "<think>unclosed"),
     ("text <think>late</think>", 0.0, "text <think>late</think>"),
@@ -66,8 +61,8 @@ def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
     ("<think>the square is missing</think> add a red square on the left", 1.0,
      "add a red square on the left", False),
     ("<think>all there</think> No further edit needed.", 1.0, "No further edit needed.", True),
-    ("<think>all there</think>   ", 0.0, "<think>all there</think>", False),  # nothing after </think>
-    ("no further edit needed", 0.0, "no further edit needed", False),  # no reflection: refined anyway
+    ("<think>all there</think>   ", 0.0, tm.NO_EDIT, True),  # nothing after </think>: no edit
+    ("no further edit needed", 0.0, tm.NO_EDIT, True),  # no reflection: no edit, the image is kept (R3)
 ])
 def test_reflection_format(text, fmt, instruction, no_edit):
     assert tm.reflection_of(text) == (fmt, instruction, no_edit)
@@ -151,11 +146,13 @@ def tiny(tmp_path_factory):
     from tiny.pipelines import make_tiny_qwenimage
     from tiny.t2i import make_t2i_prompts
 
-    gen_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo") / "qwenimage"))
-    edit_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo-edit") / "qwenimage"), seed=1)
-    cfg = MixGRPOConfig(**TINY_CFG)
-    accelerator = Accelerator(cpu=True)
-    model, processor, policy, gen, gen_params = tm.build_policy(cfg, os.path.join(gen_path, "_vlm"), gen_path, "cpu")
+    with failing_fixture("tests/test_mixgrpo.py's tiny Qwen-Image pipelines and policy"):
+        gen_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo") / "qwenimage"))
+        edit_path = make_tiny_qwenimage(str(tmp_path_factory.mktemp("mixgrpo-edit") / "qwenimage"), seed=1)
+        cfg = MixGRPOConfig(**TINY_CFG)
+        accelerator = Accelerator(cpu=True)
+        model, processor, policy, gen, gen_params = tm.build_policy(cfg, os.path.join(gen_path, "_vlm"), gen_path,
+                                                                    "cpu")
     stop = tm.stop_token_ids(model, processor.tokenizer)
     return dict(cfg=cfg, accelerator=accelerator, model=model, processor=processor, policy=policy, gen=gen,
                 gen_params=gen_params, rows=make_t2i_prompts(2, seed=0), gen_path=gen_path, edit_path=edit_path,
@@ -438,12 +435,11 @@ def test_generator_conditioning_reads_the_pipelines_own_frozen_text_encoder(tiny
 # ---- end to end: accelerate launch ----
 
 
-def launch(args, num_processes):
-    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", str(num_processes), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "train_mixgrpo.py"), *args]
-    # Its own session, so a test can SIGKILL the launcher and every worker it started (killpg).
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def mixgrpo(args, num_processes=1, config=None):
+    """train_mixgrpo.py launched on CPU processes (with `config`: accelerate_configs/<config>.yaml, DeepSpeed's on
+    its CPU accelerator)."""
+    env = {"DS_ACCELERATOR": "cpu"} if config else None
+    return launch("train_mixgrpo.py", args, num_processes, config=config, env=env)
 
 
 def cli(tiny, out, **overrides):
@@ -451,13 +447,7 @@ def cli(tiny, out, **overrides):
            "generator_name_or_path": tiny["gen_path"], "output_dir": str(out), "max_steps": 3,
            "learning_rate": 1e-3, "warmup_steps": 0, "val_data_path": "none", "save_steps": 100, "cpu_threads": 1}
     cfg.update(overrides)
-    return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
-
-
-def finish(proc, timeout=900):
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    return flags(**cfg)
 
 
 LOSS_KEYS = ("loss", "image_reward", "loss_image", "loss_text", "image_advantage_abs", "text_reward", "score")
@@ -496,7 +486,7 @@ def ds_args(tiny):
 @pytest.fixture(scope="module")
 def ddp_run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("mixgrpo-ddp")
-    finish(launch(cli(tiny, out, **ds_args(tiny)), 2))
+    finish(mixgrpo(cli(tiny, out, **ds_args(tiny)), 2), what="tests/test_mixgrpo.py's 2-process DDP run")
     return train_rows(out)
 
 
@@ -505,17 +495,17 @@ def train_rows(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("conditioning", ["base", "policy"])
+@pytest.mark.parametrize("conditioning", ["base", pytest.param("policy", marks=pytest.mark.full)])
 def test_two_processes_as_one_policy_group_match_one_process(tiny, ddp_run, tmp_path, conditioning):
     # The same 2 prompts x 4 rollouts: one process, or two processes making 2 rollouts of each prompt (the DDP run
     # the DeepSpeed test also compares with). conditioning="policy": the generator reads the VLM as it trains.
     args = dict(ds_args(tiny), conditioning=conditioning)
-    finish(launch(cli(tiny, tmp_path / "one", **dict(args, policy_group_size=1)), 1))
+    finish(mixgrpo(cli(tiny, tmp_path / "one", **dict(args, policy_group_size=1))))
     m1 = train_rows(tmp_path / "one")
     if conditioning == "base":
         m2 = ddp_run
     else:
-        finish(launch(cli(tiny, tmp_path / "two", **args), 2))
+        finish(mixgrpo(cli(tiny, tmp_path / "two", **args), 2))
         m2 = train_rows(tmp_path / "two")
     assert len(m1) == len(m2) == 3
     assert "reflect/score" in m1[1] and "reason/score" in m1[2]  # the stages alternate
@@ -525,22 +515,17 @@ def test_two_processes_as_one_policy_group_match_one_process(tiny, ddp_run, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sigkill_then_resume_matches_uninterrupted_run(tiny, tmp_path):
     # checkpoint-3 comes after a reason step: the resumed run's first step reflects on the checkpointed buffer
+    # (tests/test_inprocess_resume.py checks the same resume in one process, bit for bit)
     args = dict(max_steps=5, save_steps=3, log_completions=8)
-    finish(launch(cli(tiny, tmp_path / "full", **args), 1))
-    victim = launch(cli(tiny, tmp_path / "killed", **args), 1)
-    deadline = time.time() + 600
-    while not (tmp_path / "killed" / "checkpoint-3" / "trainer_state.json").exists():
-        assert victim.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its worker: the run really stops here
-    victim.wait()
-    assert victim.returncode == -signal.SIGKILL
-    time.sleep(1.0)
+    finish(mixgrpo(cli(tiny, tmp_path / "full", **args)))
+    victim = mixgrpo(cli(tiny, tmp_path / "killed", **args))
+    sigkill_when(victim, tmp_path / "killed" / "checkpoint-3" / "trainer_state.json")
     assert not (tmp_path / "killed" / "checkpoint-5").exists()
-    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "buffer.pt").exists()
-    finish(launch(cli(tiny, tmp_path / "killed", resume_from_checkpoint="latest", **args), 1))
+    assert (tmp_path / "killed" / "checkpoint-3" / "reflect_buffer" / "images.pt").exists()
+    finish(mixgrpo(cli(tiny, tmp_path / "killed", resume_from_checkpoint="latest", **args)))
     full = {m["step"]: m for m in read_jsonl(tmp_path / "full" / "metrics.jsonl")}
     resumed = {m["step"]: m for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")}
     assert sorted(resumed) == [1, 2, 3, 4, 5]
@@ -568,7 +553,8 @@ def test_heldout_evaluation_reports_the_shapes_scorers_view(tiny, tmp_path):
     grid = str(tmp_path / "grid.png")
     result = evaluate(tiny, cfg, grid)
     assert os.path.isfile(grid) and result["samples"] == len(rows)
-    assert set(result) == {"reward", "format", "samples", "strict", "detected", "requested"}
+    assert {k for k in result if not k.startswith("tag_")} == {"reward", "format", "samples", "unscored", "strict",
+                                                               "detected", "requested"}
     assert result["requested"] == sum(sum(int(i["count"]) for i in r["include"]) for r in rows) / len(rows)
     assert 0.0 <= result["strict"] <= result["reward"] + 1e-9 <= 1.0 + 1e-9
 
@@ -621,17 +607,8 @@ def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(ti
         assert a.size == b.size and a.tobytes() != b.tobytes()  # refined: new images
 
 
-def launch_with_config(config, args):
-    """train_mixgrpo.py under `accelerate launch --config_file accelerate_configs/<config>.yaml`, 2 processes, fp32;
-    DS_ACCELERATOR=cpu gives DeepSpeed its CPU accelerator (gloo)."""
-    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
-           "--num_processes", "2", "--mixed_precision", "no", os.path.join(REPO, "train_mixgrpo.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, tmp_path, zero):
     # One engine holds both parts (MixGRPOModel); ZeRO-3 shards the VLM and the generator, and the rollouts and the
@@ -640,7 +617,7 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, t
     # ZeRO-3 also evaluates 33 held-out rows, split 17 / 16: two generation batches on one process, one on the
     # other, so its generation must not wait on the other process (transformers' synced_gpus)
     evaluation = dict(val_data_path="tiny", eval_samples=33) if zero == "zero3" else {}
-    finish(launch_with_config(zero, cli(tiny, tmp_path / "ds", **args, **evaluation)))
+    finish(mixgrpo(cli(tiny, tmp_path / "ds", **args, **evaluation), 2, config=zero))
     shards = os.listdir(tmp_path / "ds" / "checkpoint-3" / "training_state" / "pytorch_model")
     assert sorted(s for s in shards if "optim_states" in s) == [
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards  # DeepSpeed ran on 2 ranks
@@ -661,8 +638,8 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, t
     vlm = AutoModelForImageTextToText.from_pretrained(ckpt)
     assert all(p.numel() > 0 for p in vlm.parameters())
     # resume from checkpoint-1 (the next step reflects on the checkpointed buffer): steps 2 and 3 again
-    finish(launch_with_config(zero, cli(tiny, tmp_path / "resumed", resume_from_checkpoint=str(
-        tmp_path / "ds" / "checkpoint-1"), **ds_args(tiny))))
+    finish(mixgrpo(cli(tiny, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "ds" / "checkpoint-1"),
+                       **ds_args(tiny)), 2, config=zero))
     resumed = train_rows(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [2, 3]
     for a, b in zip(ds[1:], resumed):

@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bound is its mistral_common's (>= 1.11.6) on Python <= 3.12
 VLLM_NEEDS = {"torch": "==2.14.0", "torchvision": "==0.29.0", "transformers": ">=5.16.1,<5.21.0",
               "tokenizers": ">=0.23.2", "safetensors": ">=0.6.2", "huggingface-hub": ">=1.31.0",
-              "requests": ">=2.33.0", "pillow": ">=13.0.0", "numpy": ">=1.25,<2.4"}
+              "requests": ">=2.33.0", "pillow": ">=13.0.0", "numpy": ">=1.25,<2.4", "fastapi": ">=0.133,<0.137"}
 
 
 def pins(name):
@@ -43,4 +43,15 @@ def test_vllm_set_satisfies_vllms_requirements():
         assert vllm[canonicalize_name(name)][0] in SpecifierSet(spec), (name, spec)
     main = pins("requirements.txt")
     clashing = {n for n, spec in VLLM_NEEDS.items() if main[canonicalize_name(n)][0] not in SpecifierSet(spec)}
-    assert clashing == {"torch", "torchvision", "transformers", "numpy"}  # why a second set exists at all
+    assert clashing == {"torch", "torchvision", "transformers", "numpy", "fastapi"}  # why a second set exists at all
+
+
+def test_the_main_set_holds_transformers_serve():
+    """`python iterate.py` starts `transformers serve`: its extras (transformers[serving]) are in the dependency
+    closure of requirements.txt's pins, not only in requirements-dev.txt."""
+    from tests.requirements_env import closure, extra_requirements
+    from utils.serving import SERVING_PACKAGES
+
+    main = closure(pins("requirements.txt"))
+    assert extra_requirements("transformers", "serving") | set(SERVING_PACKAGES) <= main
+    assert {"fastapi", "uvicorn", "openai", "pydantic", "starlette"} <= set(pins("requirements.txt"))

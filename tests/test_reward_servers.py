@@ -255,7 +255,7 @@ def test_geneval_reward_errors_name_what_is_missing(serve):
 
 def _decode_request(body):
     request = json.loads(body)
-    content = request["messages"][0]["content"]
+    content = request["messages"][-1]["content"]  # the user turn (after the system turn, when there is one)
     url = next(p["image_url"]["url"] for p in content if p["type"] == "image_url")
     assert url.startswith("data:image/jpeg;base64,")
     image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
@@ -285,7 +285,7 @@ def test_judge_geneval_plus_against_loopback_openai_server(serve):
     def respond(attempt, path, body):
         request, image, text = _decode_request(body)
         assert path == "/v1/chat/completions" and request["model"] == "judge-model"
-        style = GENEVAL_PLUS_STYLES[int(text.rsplit("#", 1)[1].split('"')[0]) % len(GENEVAL_PLUS_STYLES)]
+        style = GENEVAL_PLUS_STYLES[int(text.split("#", 1)[1].split()[0]) % len(GENEVAL_PLUS_STYLES)]
         time.sleep(0.1)  # long enough that concurrent requests overlap
         return _chat_reply(style(_is_red(image)))
 
@@ -295,7 +295,8 @@ def test_judge_geneval_plus_against_loopback_openai_server(serve):
     colors = ["red", "blue", "red", "red", "green", "red", "blue", "red"]
     images = [_image(c) for c in colors]
     images[4] = None
-    out = fn(["<think>..</think>"] * 8, images=images, prompt=[f"a red square #{i}" for i in range(8)])
+    out = fn(["<think>..</think>"] * 8, images=images, prompt=[f"a red square #{i}" for i in range(8)],
+             include=[[{"class": "square", "count": 1, "color": "red"}]] * 8)
     assert out == [1.0, 0.0, 1.0, 1.0, None, 1.0, 0.0, 1.0]
     assert len(server.requests) == 7
     assert 1 < server.max_in_flight <= 3  # concurrent, but bounded

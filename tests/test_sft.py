@@ -8,10 +8,12 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_sft
+from tests.launch_helpers import cli, failing_fixture, finish, launch
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from tiny.tokenizer import FAMILIES
 from train_sft import AssistantNLL, SFTConfig, main, validate
+from utils.config import parse_config
 from utils.models import load_model_and_processor
 from utils.prompts import crystal_json_target
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
@@ -22,7 +24,8 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_models")
-    return {family: make_tiny_vlm(root / family, family=family) for family in FAMILIES}
+    with failing_fixture(f"tests/test_sft.py's tiny VLMs ({', '.join(FAMILIES)})"):
+        return {family: make_tiny_vlm(root / family, family=family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,9 @@ def loaded(tiny):
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     path = tmp_path_factory.mktemp("sft_data") / "shapes"
-    DatasetDict({"train": make_shapes_vqa(16, seed=0), "test": make_shapes_vqa(8, seed=1)}).save_to_disk(str(path))
+    with failing_fixture("tests/test_sft.py's shapes set (16 train, 8 test rows)"):
+        DatasetDict({"train": make_shapes_vqa(16, seed=0), "test": make_shapes_vqa(8, seed=1)}).save_to_disk(
+            str(path))
     return str(path)
 
 
@@ -283,29 +288,19 @@ def test_resume_continues_exactly(tiny, shapes, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tiny, shapes, tmp_path):
-    # Same global batch (8 rows x 2 accumulation steps) on 1 and on 2 DDP processes: same losses, same
-    # gradient norms, so the token-mean over the whole step is normalised the same way.
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    # Same global batch (8 rows x 2 accumulation steps) on 1 process (this one) and on 2 DDP processes: same
+    # losses, same gradient norms, so the token-mean over the whole step is normalised the same way.
+    args = cli(model_name_or_path=tiny["qwen2_5_vl"], dataset_name=shapes, gradient_accumulation_steps=2,
+               max_steps=2, learning_rate=1e-3, save_steps=2, max_length=512, eval_dataset_name=shapes,
+               eval_samples=6, eval_max_new_tokens=4, report_to="none")
+    main(parse_config(SFTConfig, [*args, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "p1")]))
+    finish(launch("train_sft.py", [*args, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "p2")],
+                  2, config="cpu"), timeout=300)
     rows = {}
     for n in (1, 2):
-        out = tmp_path / f"p{n}"
-        args = [accelerate, "launch", "--config_file", os.path.join(repo, "accelerate_configs", "cpu.yaml"),
-                "--num_processes", str(n), os.path.join(repo, "train_sft.py"),
-                "--model_name_or_path", tiny["qwen2_5_vl"], "--dataset_name", shapes,
-                "--per_device_train_batch_size", str(8 // n), "--gradient_accumulation_steps", "2",
-                "--max_steps", "2", "--learning_rate", "1e-3", "--save_steps", "2", "--max_length", "512",
-                "--eval_dataset_name", shapes, "--eval_samples", "6", "--eval_max_new_tokens", "4",
-                "--report_to", "none", "--output_dir", str(out)]
-        proc = subprocess.run(args, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        with open(out / "metrics.jsonl") as f:
+        with open(tmp_path / f"p{n}" / "metrics.jsonl") as f:
             rows[n] = [r for r in map(json.loads, f) if "loss" in r]
-        assert json.loads((out / "train_summary.json").read_text())["heldout_samples"] == 6
+        assert json.loads((tmp_path / f"p{n}" / "train_summary.json").read_text())["heldout_samples"] == 6
     assert len(rows[1]) == len(rows[2]) == 2
     for a, b in zip(rows[1], rows[2]):
         assert a["tokens"] == b["tokens"]
@@ -324,19 +319,10 @@ def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(t
 def _launch_sft(config, tiny, shapes, out, *extra, env=None):
     """train_sft.py under `accelerate launch --config_file accelerate_configs/<config>.yaml` on 2 CPU processes
     (fp32: --mixed_precision no), 3 steps at a constant rate, a checkpoint every step."""
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    args = [accelerate, "launch", "--config_file", os.path.join(repo, "accelerate_configs", f"{config}.yaml"),
-            "--num_processes", "2", "--mixed_precision", "no", os.path.join(repo, "train_sft.py"),
-            "--model_name_or_path", tiny["qwen2_5_vl"], "--dataset_name", shapes, "--per_device_train_batch_size", "2",
-            "--max_steps", "3", "--save_steps", "1", "--learning_rate", "1e-3", "--lr_scheduler_type", "constant",
-            "--max_length", "512", "--report_to", "none", "--output_dir", str(out), *extra]
-    proc = subprocess.run(args, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    args = [*cli(model_name_or_path=tiny["qwen2_5_vl"], dataset_name=shapes, per_device_train_batch_size=2,
+                 max_steps=3, save_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", max_length=512,
+                 report_to="none", output_dir=out), *extra]
+    finish(launch("train_sft.py", args, 2, config=config, env=env), timeout=400)
     with open(out / "metrics.jsonl") as f:
         return [r for r in map(json.loads, f) if "loss" in r]
 
@@ -348,6 +334,7 @@ def ddp_run(tiny, shapes, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes_exactly(tiny, shapes, tmp_path, ddp_run, config):
     from transformers import AutoModelForImageTextToText

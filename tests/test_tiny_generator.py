@@ -133,6 +133,8 @@ def _small_generator(vlm_dir, cfg):
     return QwenImageGenerator(pipe)
 
 
+@pytest.mark.slow
+@pytest.mark.full  # trains the tiny generator's flow for minutes: the full tier, with the generator's other builds
 def test_flow_matching_pretraining_lowers_loss(vlm_dir):
     cfg = TinyGeneratorConfig(**dict(SMALL, steps=40, batch_size=16, num_layers=2, learning_rate=2e-3,
                                      warmup_steps=5, log_every=100))

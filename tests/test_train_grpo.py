@@ -3,30 +3,27 @@
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 from safetensors.torch import load_file
 
 import train_grpo
+from tests.launch_helpers import cli as flags
+from tests.launch_helpers import failing_fixture, finish, fresh_accelerate_state, launch, sigkill_when
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from train_grpo import GRPOConfig
 from utils.tracking import read_jsonl
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     data = str(root / "shapes")
-    make_shapes_vqa(48, seed=0, kinds=("color", "count")).save_to_disk(data)
-    return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data, "root": root}
+    with failing_fixture("tests/test_train_grpo.py's assets (48 shapes rows, the tiny Qwen VLM)"):
+        make_shapes_vqa(48, seed=0, kinds=("color", "count")).save_to_disk(data)
+        return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data, "root": root}
 
 
 def config(assets, out, **overrides):
@@ -38,13 +35,10 @@ def config(assets, out, **overrides):
 
 
 def run(cfg):
-    from accelerate.state import AcceleratorState, GradientState
-
     try:
         return train_grpo.main(cfg)
     finally:  # each run in this process gets a fresh accelerate state
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        fresh_accelerate_state()
 
 
 @pytest.mark.slow
@@ -107,6 +101,7 @@ def test_loss_variants_train(assets, tmp_path, variant):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("family", ["internvl", "glm4v", "text"])
 def test_other_model_families(assets, tmp_path, family):
     if family == "text":
@@ -135,85 +130,123 @@ def test_prompt_over_max_length_names_the_sample(assets, tmp_path):
         run(config(assets, tmp_path, max_prompt_length=20))
 
 
-def launch(args, num_processes, env=None):
-    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", str(num_processes), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "train_grpo.py"), *args]
-    # Its own session, so a test can SIGKILL the launcher and every worker it started (killpg).
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
 def cli(assets, out, **overrides):
+    """train_grpo.py's command line for these assets (the launched runs, and the in-process runs that parse it)."""
     cfg = dict(model_name_or_path=assets["qwen"], dataset_name=assets["data"], output_dir=str(out),
                num_generations=4, max_completion_length=8, max_steps=3, learning_rate=1e-3, report_to="none",
                reward_funcs="tests.grpo_helpers:completion_length", seed=0)
     cfg.update(overrides)
-    return [x for k, v in cfg.items() for x in (f"--{k}", str(v))]
+    return flags(**cfg)
 
 
-def finish(proc, timeout=600):
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, "\n".join(line for line in out.splitlines() if "rror" in line)[-3000:]
+def run_cli(args):
+    """train_grpo.py in this process on a command line, parsed as the launched script parses it."""
+    from utils.config import parse_config
+
+    return run(parse_config(GRPOConfig, args))
+
+
+def grpo(args, num_processes=1, config=None, env=None):
+    return launch("train_grpo.py", args, num_processes, config=config, env=env)
+
+
+# The run the 2-process checks compare with: 2 prompts x 4 completions per step split over 2 DDP processes, the KL
+# to the reference on (a second model on each rank), a checkpoint every step.
+DDP = dict(per_device_train_batch_size=4, max_steps=2, save_steps=1, beta=0.5)
+# (not "kl": as TRL's, the logged KL is the mean of each process's token mean, so it depends on the split)
+COMPARED = ("reward", "reward_std", "loss", "completion_length", "clip_ratio", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-ddp")
+    finish(grpo(cli(assets, out, **DDP), 2, config="cpu"), what="tests/test_train_grpo.py's 2-process DDP run")
     return out
 
 
+def assert_same_metrics(m1, m2, keys=COMPARED, rel=1e-4):
+    assert [m["step"] for m in m1] == [m["step"] for m in m2], (m1, m2)
+    for a, b in zip(m1, m2):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), (a["step"], key, a[key], b[key])
+
+
 @pytest.mark.slow
+def test_two_processes_match_one_process_and_checkpoint_every_rank(assets, ddp_run, tmp_path):
+    # The same global batch (8 completions = 2 prompts x 4) on one process (this one) or two (the DDP run).
+    run_cli(cli(assets, tmp_path / "one", **dict(DDP, per_device_train_batch_size=8)))
+    m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(ddp_run / "metrics.jsonl")
+    assert len(m2) == 2
+    assert_same_metrics(m1, m2)
+    assert m2[-1]["grad_norm"] > 0 and m2[-1]["kl"] > 0  # the policy trains, the reference scores
+    # the checkpoint holds each rank's RNG state and the sampler's position, and loads as an HF model
+    state = ddp_run / "checkpoint-2" / "training_state"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(state)), os.listdir(state)
+    trainer_state = json.loads((ddp_run / "checkpoint-2" / "trainer_state.json").read_text())
+    assert trainer_state["global_step"] == 2 and "sampler" in trainer_state
+    one = load_file(str(tmp_path / "one" / "checkpoint-2" / "model.safetensors"))
+    two = load_file(str(ddp_run / "checkpoint-2" / "model.safetensors"))
+    assert one.keys() == two.keys() and max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("variant", [
-    {},
     # PCGrad projects the step's per-objective gradients after averaging them over the processes
     dict(use_pcgrad="true", reward_funcs="tests.grpo_helpers:completion_length,tests.grpo_helpers:none_on_odd",
          reward_weights="1.0,-0.5"),
     # kept groups are regrouped across processes, their completions moved as token ids
     dict(dynamic_sampling="true", reward_funcs="tests.grpo_helpers:constant_on_even_prompts"),
-], ids=["plain", "pcgrad", "dynamic_sampling"])
+], ids=["pcgrad", "dynamic_sampling"])
 def test_two_processes_match_one_process(assets, tmp_path, variant):
     # Same global batch (8 completions = 2 prompts x 4), split over 1 or 2 processes.
-    one = launch(cli(assets, tmp_path / "one", per_device_train_batch_size=8, **variant), 1)
-    finish(one)
-    two = launch(cli(assets, tmp_path / "two", per_device_train_batch_size=4, **variant), 2)
-    finish(two)
+    finish(grpo(cli(assets, tmp_path / "one", per_device_train_batch_size=8, **variant)))
+    finish(grpo(cli(assets, tmp_path / "two", per_device_train_batch_size=4, **variant), 2))
     m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(m1) == len(m2) == 3
-    for a, b in zip(m1, m2):
-        for key in ("reward", "reward_std", "loss", "completion_length", "clip_ratio", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert_same_metrics(m1, m2)
     assert m1[-1]["grad_norm"] > 0
     if "dynamic_sampling" in variant:
         assert [m["resample_rounds"] for m in m1] == [m["resample_rounds"] for m in m2]
         assert sum(m["resample_rounds"] for m in m1) > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    {},
-    # half the prompts get a constant reward: dynamic sampling drops their groups and draws more prompts
-    dict(dynamic_sampling="true", reward_funcs="tests.grpo_helpers:constant_on_even_prompts"),
-], ids=["plain", "dynamic_sampling"])
-def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path, variant):
-    args = dict(per_device_train_batch_size=8, max_steps=6, save_steps=2, max_completion_length=16,
-                log_completions="true", **variant)
-    finish(launch(cli(assets, tmp_path / "full", **args), 1))
-    victim = launch(cli(assets, tmp_path / "killed", **args), 1)
-    deadline = time.time() + 300
-    while not (tmp_path / "killed" / "checkpoint-2").exists():
-        assert victim.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its worker: the run really stops here
-    victim.wait()
-    assert victim.returncode == -signal.SIGKILL
-    time.sleep(1.0)  # nothing may still be writing into the folder
-    assert not (tmp_path / "killed" / "checkpoint-6").exists()
-    assert len(read_jsonl(tmp_path / "killed" / "metrics.jsonl")) < 6, "the kill came after the run had finished"
-    finish(launch(cli(assets, tmp_path / "killed", resume_from_checkpoint="latest", **args), 1))
-    full = {m["step"]: m for m in read_jsonl(tmp_path / "full" / "metrics.jsonl")}
-    resumed = {m["step"]: m for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")}
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+# Resume: 6 steps with a checkpoint every 2, every completion logged. The uninterrupted run is made in this process
+# once per module; the launched SIGKILL test and the in-process resume tests compare with it.
+RESUME = dict(per_device_train_batch_size=8, max_steps=6, save_steps=2, max_completion_length=16,
+              log_completions="true")
+# half the prompts get a constant reward: dynamic sampling drops their groups and draws more prompts
+DYNAMIC = dict(dynamic_sampling="true", reward_funcs="tests.grpo_helpers:constant_on_even_prompts")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory):
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"grpo-uninterrupted-{name}")
+            with failing_fixture(f"tests/test_train_grpo.py's uninterrupted 6-step run ({name})"):
+                run_cli(cli(assets, out, **RESUME, **(DYNAMIC if name == "dynamic_sampling" else {})))
+            runs[name] = out
+        return runs[name]
+
+    return get
+
+
+def assert_resumed_like(resumed_dir, full_dir, variant, exact):
+    full = {m["step"]: m for m in read_jsonl(full_dir / "metrics.jsonl")}
+    resumed = {m["step"]: m for m in read_jsonl(resumed_dir / "metrics.jsonl")}
+    assert sorted(resumed)[-4:] == [3, 4, 5, 6], sorted(resumed)
     for step in range(3, 7):
-        for key in ("reward", "loss", "completion_length"):
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
+        for key in ("reward", "loss", "completion_length", "grad_norm"):
+            if exact:
+                assert resumed[step][key] == full[step][key], (step, key, resumed[step][key], full[step][key])
+            else:
+                assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
     if variant:
         assert sum(m["resample_rounds"] for m in full.values()) > 0  # the resampling did happen
-        assert [m["resample_rounds"] for m in resumed.values()] == [m["resample_rounds"] for m in full.values()]
+        assert [resumed[s]["resample_rounds"] for s in range(3, 7)] == [full[s]["resample_rounds"] for s in range(3, 7)]
 
     # A random tiny model earns the same rewards whatever it is asked, so the metrics alone would not
     # notice a resume that forgot the sampler's position: the drawn prompts and completions must match too.
@@ -221,8 +254,38 @@ def test_sigkill_then_resume_matches_uninterrupted_run(assets, tmp_path, variant
         rows = read_jsonl(run_dir / "completions.jsonl")
         return [(r["step"], r["id"], r["prompt"], r["completion"]) for r in rows if r["step"] >= 3]
 
-    assert drawn(tmp_path / "killed") == drawn(tmp_path / "full") and len(drawn(tmp_path / "full")) == 4 * 8
+    assert drawn(resumed_dir) == drawn(full_dir) and len(drawn(full_dir)) == 4 * 8
 
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(assets, uninterrupted, tmp_path):
+    # The one real kill: the run dies mid-flight (after checkpoint-2), the checkpoint it left is whole.
+    victim = grpo(cli(assets, tmp_path / "killed", **RESUME))
+    sigkill_when(victim, tmp_path / "killed" / "checkpoint-2", timeout=300)
+    assert not (tmp_path / "killed" / "checkpoint-6").exists()
+    assert len(read_jsonl(tmp_path / "killed" / "metrics.jsonl")) < 6, "the kill came after the run had finished"
+    finish(grpo(cli(assets, tmp_path / "killed", resume_from_checkpoint="latest", **RESUME)))
+    assert sorted(m["step"] for m in read_jsonl(tmp_path / "killed" / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+    assert_resumed_like(tmp_path / "killed", uninterrupted("plain"), {}, exact=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [{}, pytest.param(DYNAMIC, marks=pytest.mark.full)],
+                         ids=["plain", "dynamic_sampling"])
+def test_resume_from_a_checkpoint_matches_uninterrupted_run_bit_for_bit(assets, uninterrupted, tmp_path, variant):
+    # In this process: rebuild everything from checkpoint-2 (weights, optimizer, scheduler, sampler position,
+    # dynamic sampling's state), train steps 3-6, and compare with the uninterrupted run exactly.
+    full = uninterrupted("dynamic_sampling" if variant else "plain")
+    run_cli(cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(full / "checkpoint-2"), **RESUME,
+                **variant))
+    assert not (tmp_path / "resumed" / "checkpoint-2").exists()  # it started at step 3
+    assert_resumed_like(tmp_path / "resumed", full, variant, exact=True)
+    a = load_file(str(full / "checkpoint-6" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoint-6" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    opt_a, opt_b = (json.loads((d / "checkpoint-6" / "trainer_state.json").read_text())
+                    for d in (full, tmp_path / "resumed"))
+    assert opt_a == opt_b
 
 @pytest.mark.slow
 def test_dynamic_sampling_trains_only_groups_with_spread(assets, tmp_path):
@@ -490,38 +553,27 @@ def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(a
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("checkpoint-*"))
 
 
-def launch_with_config(config, args, env=None, script="train_grpo.py", num_processes=2):
-    """train_grpo.py (or `script`) under `accelerate launch --config_file accelerate_configs/<config>.yaml`, fp32."""
-    cmd = [ACCELERATE, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", f"{config}.yaml"),
-           "--num_processes", str(num_processes), "--mixed_precision", "no", os.path.join(REPO, script), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, tmp_path, zero):
+@pytest.mark.parametrize("zero", [pytest.param("zero2", marks=pytest.mark.full), "zero3"])
+def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, ddp_run, tmp_path, zero):
     # DS_ACCELERATOR=cpu: DeepSpeed's gloo group on the CPU (ZeRO-3: sharded weights, gathered generation);
     # beta > 0: the frozen reference copy is a DeepSpeed inference engine of its own
-    args = dict(per_device_train_batch_size=4, max_steps=2, save_steps=1, beta=0.5)
-    finish(launch_with_config("cpu", cli(assets, tmp_path / "ddp", **args)))
     env = {"DS_ACCELERATOR": "cpu"}
-    finish(launch_with_config(zero, cli(assets, tmp_path / "ds", **args), env))
+    finish(grpo(cli(assets, tmp_path / "ds", **DDP), 2, config=zero, env=env))
     shards = os.listdir(tmp_path / "ds" / "checkpoint-2" / "training_state" / "pytorch_model")
     assert sorted(s for s in shards if "optim_states" in s) == [
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards  # DeepSpeed ran on 2 ranks
-    finish(launch_with_config(zero, cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(
-        tmp_path / "ds" / "checkpoint-1"), **args), env))
-    ddp, ds = read_jsonl(tmp_path / "ddp" / "metrics.jsonl"), read_jsonl(tmp_path / "ds" / "metrics.jsonl")
+    finish(grpo(cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "ds" / "checkpoint-1"),
+                    **DDP), 2, config=zero, env=env))
+    ddp, ds = read_jsonl(ddp_run / "metrics.jsonl"), read_jsonl(tmp_path / "ds" / "metrics.jsonl")
     resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in ds] == [1, 2] and [m["step"] for m in resumed] == [2]
-    for a, b in zip(ddp, ds):
-        for key in ("reward", "reward_std", "loss", "completion_length", "grad_norm", "kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert_same_metrics(ddp, ds, keys=("reward", "reward_std", "loss", "completion_length", "grad_norm", "kl"))
     assert ds[-1]["grad_norm"] > 0 and ds[-1]["kl"] > 0  # the reference really scored (step 2: weights moved)
     # the HF copy names its weights as DDP's does (model.layers.*, not ZeRO-3's former model.model.layers.*); only
     # the tied LM head may be written or left out (it is the embedding)
-    names = {run: set(load_file(str(tmp_path / run / "checkpoint-2" / "model.safetensors"))) for run in ("ddp", "ds")}
+    names = {"ddp": set(load_file(str(ddp_run / "checkpoint-2" / "model.safetensors"))),
+             "ds": set(load_file(str(tmp_path / "ds" / "checkpoint-2" / "model.safetensors")))}
     assert names["ds"] ^ names["ddp"] <= {"lm_head.weight"}, names["ds"] ^ names["ddp"]
     assert any(".layers." in n for n in names["ds"])
     for key in ("reward", "loss", "completion_length"):
@@ -529,15 +581,14 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_use_vllm_on_two_processes_matches_one_process(assets, tmp_path):
     # Colocate mode: each process builds its own engine under the rendezvous variables it is given, syncs its
     # weights, and samples its own completions (the fake engine samples by each completion's seed).
     worker = os.path.join("tests", "fake_vllm_worker.py")
     args = dict(use_vllm="true", max_steps=2)
-    finish(launch_with_config("cpu", cli(assets, tmp_path / "one", per_device_train_batch_size=8, **args),
-                              script=worker, num_processes=1))
-    finish(launch_with_config("cpu", cli(assets, tmp_path / "two", per_device_train_batch_size=4, **args),
-                              script=worker))
+    finish(launch(worker, cli(assets, tmp_path / "one", per_device_train_batch_size=8, **args), 1, config="cpu"))
+    finish(launch(worker, cli(assets, tmp_path / "two", per_device_train_batch_size=4, **args), 2, config="cpu"))
     m1, m2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(m1) == len(m2) == 2
     for a, b in zip(m1, m2):

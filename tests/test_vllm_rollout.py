@@ -348,7 +348,7 @@ def test_rollout_feeds_and_masks_like_the_hf_path(rollout_setup):
     rollout = VLLMRollout("/tiny", accelerator, cfg(), processor=processor, model_config=model.config, vllm=FakeVLLM)
     llm = FakeVLLM.engines[0]
     assert llm.env["RANK"] == "0" and llm.env["WORLD_SIZE"] == "1" and llm.env["MASTER_PORT"]  # before the engine
-    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 4} and "size" in llm.kwargs["mm_processor_kwargs"]
+    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 4, "video": 0} and "size" in llm.kwargs["mm_processor_kwargs"]
     messages, images = vqa(2)
     stop = stop_token_ids(model, tok)
     batch = encode_prompts(processor, messages, images, sample_ids=["a", "b"])

@@ -13,6 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_zero3_generation_and_logprobs_match_unsharded_model(tmp_path):
     model = make_tiny_vlm(str(tmp_path / "qwen"), seed=0)
     out = tmp_path / "result.json"

@@ -1,11 +1,13 @@
 """Tiny models built from configs, so the whole stack runs on a CPU without downloading anything.
 
-- `make_tiny_vlm`: a tiny Qwen2.5-VL (default), InternVL or GLM-4V with transformers' own classes and
+- `make_tiny_vlm`: a tiny VLM of one family (tiny.tokenizer.ALL_FAMILIES: Qwen2.5-VL (default), Qwen3-VL, Qwen3.5,
+  Gemma 3, InternVL3 / InternVL3.5, GLM-4.1V, SmolVLM, LLaVA-OneVision) with transformers' own classes and
   processors, saved as an ordinary HF folder (`AutoModelForImageTextToText` / `AutoProcessor` load it).
-- `make_tiny_llm`: a tiny text-only Qwen2 causal LM with the same tokenizer and chat template.
+- `make_tiny_llm`: a tiny text-only Qwen2 or Qwen3 causal LM with the same tokenizer and chat template.
 - `make_tiny_flow_model`: a tiny diffusers flow-matching generator (SD3 transformer, VAE, scheduler).
 
 All share the byte-level BPE of `tiny.tokenizer`. Weights are random but deterministic for a seed.
+Over 400 lines on purpose: each family's builder sits beside the others, so their differences read side by side.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 
 import torch
 
-from tiny.tokenizer import _FAMILY_TOKENS, DEFAULT_BPE_VOCAB, FAMILIES, _token_ids, make_tiny_tokenizer
+from tiny.tokenizer import _FAMILY_TOKENS, ALL_FAMILIES, DEFAULT_BPE_VOCAB, _token_ids, make_tiny_tokenizer
 from utils.models import ModelLoadError, resolve_dtype
 
 # --------------------------------------------------------------------------------------------------
@@ -87,7 +89,7 @@ def _qwen2_5_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_h
 
 
 def _internvl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
-              vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+              vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab, text_type="qwen2"):
     from transformers import (
         GotOcr2ImageProcessor,
         InternVLConfig,
@@ -102,7 +104,7 @@ def _internvl(tok, image_size, hidden_size, num_hidden_layers, num_attention_hea
     image_seq_length = (per_side // merge_size) ** 2
     text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                         tok.eos_token_id, tok.pad_token_id)
-    text.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    text.update(model_type=text_type, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     config = InternVLConfig(
         text_config=text,
         vision_config=dict(
@@ -168,7 +170,209 @@ def _glm4v(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads,
     return Glm4vForConditionalGeneration(config), processor
 
 
-_BUILDERS = {"qwen2_5_vl": _qwen2_5_vl, "internvl": _internvl, "glm4v": _glm4v}
+def _qwen_vision_processor(tok, image_size, patch_size, merge_size, video_cls):
+    """Qwen-VL's image processor at tiny pixel bounds: an image_size x image_size image keeps its size."""
+    from transformers import Qwen2VLImageProcessor
+
+    factor = patch_size * merge_size
+    image_processor = Qwen2VLImageProcessor(
+        size={"shortest_edge": factor * factor, "longest_edge": 4 * image_size * image_size},
+        patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],  # Qwen3-VL's normalisation (not CLIP's)
+    )
+    return image_processor, video_cls(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2)
+
+
+def _qwen3_vl_like(config_cls, model_cls, tok, image_size, hidden_size, num_hidden_layers, num_attention_heads,
+                   intermediate_size, vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab,
+                   text_extra, vision_extra):
+    """Qwen3-VL and Qwen3.5: 16 px patches, learned vision position embeddings (one per patch of an image_size
+    image), interleaved 3-D rope, Qwen3-VL's processor with Qwen-VL's image processor."""
+    from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    ids = dict(zip(("image", "video", "start", "end"), _token_ids(
+        tok, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])))
+    text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                        tok.eos_token_id, tok.pad_token_id)
+    text.update(head_dim=hidden_size // num_attention_heads, **text_extra)
+    per_side = image_size // patch_size
+    config = config_cls(
+        text_config=text,
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
+            num_heads=vision_heads, patch_size=patch_size, spatial_merge_size=merge_size, temporal_patch_size=2,
+            out_hidden_size=hidden_size, num_position_embeddings=per_side * per_side, **vision_extra,
+        ),
+        image_token_id=ids["image"], video_token_id=ids["video"],
+        vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
+        tie_word_embeddings=True,
+    )
+    image_processor, video_processor = _qwen_vision_processor(tok, image_size, patch_size, merge_size,
+                                                              Qwen3VLVideoProcessor)
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                 chat_template=tok.chat_template)
+    return model_cls(config), processor
+
+
+def _qwen3_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, *sizes):
+    """Qwen3-VL (dense), with DeepStack: the features of vision block 0 are added to the LM's first hidden layer."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    head_dim = hidden_size // num_attention_heads
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": _mrope_section(head_dim),
+            "mrope_interleaved": True}
+    return _qwen3_vl_like(Qwen3VLConfig, Qwen3VLForConditionalGeneration, tok, image_size, hidden_size,
+                          num_hidden_layers, num_attention_heads, *sizes, text_extra={"rope_parameters": rope},
+                          vision_extra={"deepstack_visual_indexes": [0]})
+
+
+def _qwen3_5(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, *sizes):
+    """Qwen3.5 (its VLM class): a hybrid LM, Gated DeltaNet linear-attention layers then a full-attention layer
+    (here 1 + 1), a quarter of each head rotated; Qwen3-VL's tower without DeepStack."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    head_dim = hidden_size // num_attention_heads
+    text = dict(layer_types=["linear_attention"] * (num_hidden_layers - 1) + ["full_attention"],
+                linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": _mrope_section(head_dim // 4), "mrope_interleaved": True})
+    return _qwen3_vl_like(Qwen3_5Config, Qwen3_5ForConditionalGeneration, tok, image_size, hidden_size,
+                          num_hidden_layers, num_attention_heads, *sizes, text_extra=text, vision_extra={})
+
+
+def _gemma3(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+            vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    """Gemma 3: a SigLIP tower whose patches are average-pooled merge_size x merge_size to a fixed number of soft
+    tokens per image, attended bidirectionally (token_type_ids); sliding-window and global layers alternate."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+
+    per_side = image_size // patch_size
+    if per_side * patch_size != image_size or per_side % merge_size:
+        raise ValueError(f"gemma3: image_size {image_size} must be a multiple of patch_size*{merge_size}")
+    tokens_per_image = (per_side // merge_size) ** 2
+    head_dim = hidden_size // num_attention_heads
+    text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                        tok.eos_token_id, tok.pad_token_id)
+    text.update(bos_token_id=tok.bos_token_id, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * (num_hidden_layers // 2)
+                + ["sliding_attention"] * (num_hidden_layers % 2))
+    boi, eoi, soft = _token_ids(tok, ["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=dict(hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
+                           num_hidden_layers=vision_depth, num_attention_heads=vision_heads, image_size=image_size,
+                           patch_size=patch_size, vision_use_head=False),
+        mm_tokens_per_image=tokens_per_image, boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
+        tie_word_embeddings=True,
+    )
+    image_processor = Gemma3ImageProcessor(size={"height": image_size, "width": image_size},
+                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                                           do_pan_and_scan=False, pan_and_scan_min_crop_size=image_size // 2,
+                                           pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=tokens_per_image,
+                                chat_template=tok.chat_template)
+    return Gemma3ForConditionalGeneration(config), processor
+
+
+def _internvl3_5(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                 vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    """InternVL3.5: InternVL's tiles and pixel shuffle on a Qwen3 LM (q/k norms), transformers' InternVL class."""
+    return _internvl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                     vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab, text_type="qwen3")
+
+
+def _smolvlm(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+             vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    """SmolVLM as released (SmolVLM-256M/500M/2B-Instruct are Idefics3 checkpoints: transformers' Idefics3 classes):
+    an image is split into image_size tiles plus a global view, each tile's patches pixel-shuffled by merge_size
+    (scale_factor) into image_seq_len tokens wrapped in `<fake_token_around_image><row_r_col_c>...`; a Llama LM.
+    (SmolVLM2's own SmolVLMProcessor needs the num2words package, which the pinned environment lacks.)"""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+    )
+
+    per_side = image_size // patch_size
+    if per_side * patch_size != image_size or per_side % merge_size:
+        raise ValueError(f"smolvlm: image_size {image_size} must be a multiple of patch_size*{merge_size}")
+    image_seq_len = (per_side // merge_size) ** 2
+    text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                        tok.eos_token_id, tok.pad_token_id)
+    text.update(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=dict(hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
+                           num_hidden_layers=vision_depth, num_attention_heads=vision_heads, image_size=image_size,
+                           patch_size=patch_size),
+        image_token_id=_token_ids(tok, ["<image>"])[0], scale_factor=merge_size, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    # SmolVLM: tiles of the tower's image size, the long edge capped at 4 tiles (2048 px for 512 px tiles); here 2.
+    image_processor = Idefics3ImageProcessor(
+        do_image_splitting=True, max_image_size={"longest_edge": image_size},
+        size={"longest_edge": 2 * image_size}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=image_seq_len,
+                                  chat_template=tok.chat_template)
+    return Idefics3ForConditionalGeneration(config), processor
+
+
+def _llava_onevision(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                     vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    """LLaVA-OneVision: a SigLIP tower on the image at base resolution plus its anyres grid of tiles (pinpoints
+    up to 2x2 tiles), features unpadded to the image's aspect ratio with a newline embedding per row; a Qwen2 LM."""
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    per_side = image_size // patch_size
+    if per_side * patch_size != image_size:
+        raise ValueError(f"llava_onevision: image_size {image_size} must be a multiple of patch_size")
+    pinpoints = [[image_size * r, image_size * c] for r in (1, 2) for c in (1, 2)]
+    text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                        tok.eos_token_id, tok.pad_token_id)
+    text.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    image_id, video_id = _token_ids(tok, ["<image>", "<video>"])
+    config = LlavaOnevisionConfig(
+        text_config=text,
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=vision_hidden_size,
+                           intermediate_size=4 * vision_hidden_size, num_hidden_layers=vision_depth,
+                           num_attention_heads=vision_heads, image_size=image_size, patch_size=patch_size,
+                           vision_use_head=False),
+        image_token_index=image_id, video_token_index=video_id, image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full", vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9",
+        tie_word_embeddings=True,
+    )
+    image_processor = LlavaOnevisionImageProcessor(size={"height": image_size, "width": image_size},
+                                                   image_grid_pinpoints=pinpoints, image_mean=[0.5, 0.5, 0.5],
+                                                   image_std=[0.5, 0.5, 0.5])
+    video_processor = LlavaOnevisionVideoProcessor(size={"height": image_size, "width": image_size})
+    processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tok,
+                                        video_processor=video_processor, num_image_tokens=per_side * per_side,
+                                        vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
+                                        chat_template=tok.chat_template)
+    return LlavaOnevisionForConditionalGeneration(config), processor
+
+
+_BUILDERS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5, "gemma3": _gemma3,
+             "internvl": _internvl, "internvl3_5": _internvl3_5, "glm4v": _glm4v, "smolvlm": _smolvlm,
+             "llava_onevision": _llava_onevision}
+# Each family at the tiny sizes that still exercise its features (patch and merge sizes of the released models
+# where the tower allows; an image of `image_size` px is one tile / one base view).
+FAMILY_DEFAULTS = {
+    "qwen3_vl": dict(image_size=96, patch_size=16),  # 6x6 patches of 16 px -> 9 tokens
+    "qwen3_5": dict(image_size=96, patch_size=16),
+    "gemma3": dict(image_size=56, patch_size=14),  # 4x4 patches pooled 2x2 -> 4 soft tokens
+    "smolvlm": dict(image_size=64, patch_size=16),  # 4x4 patches shuffled 2x -> 4 tokens a tile
+    "llava_onevision": dict(image_size=28, patch_size=14),  # 2x2 patches: 4 tokens a view
+}
 
 
 def _save(model, processor_or_tokenizer, out_dir, stop_tokens, tok):
@@ -200,8 +404,8 @@ def make_tiny_vlm(
     vision_depth: int = 2,
     vision_hidden_size: int = 64,
     vision_heads: int = 2,
-    image_size: int = 84,
-    patch_size: int = 14,
+    image_size: int | None = None,
+    patch_size: int | None = None,
     merge_size: int = 2,
     vocab_size: int = DEFAULT_BPE_VOCAB,
     seed: int = 0,
@@ -213,7 +417,9 @@ def make_tiny_vlm(
     (pixel shuffle 0.5) between <img> and </img>. GLM-4V: 9 `<|image|>` tokens. Returns out_dir.
     """
     if family not in _BUILDERS:
-        raise ValueError(f"make_tiny_vlm: unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"make_tiny_vlm: unknown family {family!r}; choose one of {ALL_FAMILIES}")
+    sizes = {"image_size": 84, "patch_size": 14, **FAMILY_DEFAULTS.get(family, {})}
+    image_size, patch_size = image_size or sizes["image_size"], patch_size or sizes["patch_size"]
     tok = make_tiny_tokenizer(family, vocab_size=vocab_size)
     torch.manual_seed(seed)
     model, processor = _BUILDERS[family](
@@ -233,16 +439,24 @@ def make_tiny_llm(
     intermediate_size: int | None = None,
     vocab_size: int = DEFAULT_BPE_VOCAB,
     seed: int = 0,
+    family: str = "qwen2",
 ) -> str:
-    """A tiny text-only Qwen2 causal LM with the VLMs' tokenizer and ChatML template. Returns out_dir."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A tiny text-only causal LM, Qwen2 or Qwen3 (`family`; Qwen3 adds q/k norms and an explicit head_dim), with
+    the VLMs' tokenizer and ChatML template. Returns out_dir."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    tok = make_tiny_tokenizer("qwen2", vocab_size=vocab_size)
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if family not in classes:
+        raise ValueError(f"make_tiny_llm: unknown family {family!r}; choose one of {sorted(classes)}")
+    tok = make_tiny_tokenizer(family, vocab_size=vocab_size)
     torch.manual_seed(seed)
     text = _text_kwargs(len(tok), hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                         tok.eos_token_id, tok.pad_token_id)
-    model = Qwen2ForCausalLM(Qwen2Config(**text, tie_word_embeddings=True))
-    _save(model, tok, str(out_dir), _FAMILY_TOKENS["qwen2"]["stop"], tok)
+    if family == "qwen3":
+        text["head_dim"] = hidden_size // num_attention_heads
+    config_cls, model_cls = classes[family]
+    model = model_cls(config_cls(**text, tie_word_embeddings=True))
+    _save(model, tok, str(out_dir), _FAMILY_TOKENS[family]["stop"], tok)
     return str(out_dir)
 
 

@@ -11,6 +11,21 @@ from tiny.tokenizer import make_tiny_tokenizer
 
 SIZE = 32  # the image size the tiny VAEs are built for
 
+# The scheduler configs of the real checkpoints (their scheduler/scheduler_config.json), so that the tiny pipelines
+# schedule as the real ones do: dynamic shifting, its image lengths, shift_terminal and the time-shift type all
+# change the sigmas. Keys left out are diffusers' defaults (off).
+QWEN_IMAGE_SCHEDULER = dict(  # Qwen/Qwen-Image; Qwen/Qwen-Image-Edit ships the same
+    num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+    base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+QWEN_IMAGE_EDIT_SCHEDULER = dict(QWEN_IMAGE_SCHEDULER)
+SD35_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)  # stabilityai/stable-diffusion-3.5-large (and medium)
+FLUX1_DEV_SCHEDULER = dict(  # black-forest-labs/FLUX.1-dev
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096)
+FLUX2_KLEIN_SCHEDULER = dict(  # black-forest-labs/FLUX.2-klein-4B (the pipeline passes its own empirical mu)
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
+
 
 def make_tiny_qwenimage(out_dir, *, vlm_hidden=32, layers=2, heads=3, head_dim=16, base_dim=24, seed=0):
     """A QwenImageEditPipeline folder (its T2I sibling loads from it too) on a tiny Qwen2.5-VL. Returns out_dir."""
@@ -35,8 +50,7 @@ def make_tiny_qwenimage(out_dir, *, vlm_hidden=32, layers=2, heads=3, head_dim=1
     vae = AutoencoderKLQwenImage(base_dim=base_dim, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
                                  temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
                                  latents_std=[1.5, 0.8, 1.0, 1.2])
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                                base_image_seq_len=16, max_image_seq_len=256)
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_EDIT_SCHEDULER)
     QwenImageEditPipeline(scheduler=scheduler, vae=vae, text_encoder=vlm, tokenizer=processor.tokenizer,
                           processor=processor, transformer=transformer).save_pretrained(out_dir)
     return str(out_dir)
@@ -108,7 +122,7 @@ def make_tiny_sd3(out_dir, *, layers=1, heads=4, head_dim=8, seed=0):
                                         num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
                                         caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64)
     StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SD35_SCHEDULER),
         vae=_vae_kl(4, seed, shift_factor=0.0609, scaling_factor=1.5035),
         text_encoder=_clip_encoder(clip_tok, CLIPTextModelWithProjection, seed), tokenizer=clip_tok,
         text_encoder_2=_clip_encoder(clip_tok, CLIPTextModelWithProjection, seed + 1), tokenizer_2=clip_tok,
@@ -130,8 +144,7 @@ def make_tiny_flux(out_dir, *, seed=0):
                                          pooled_projection_dim=32, axes_dims_rope=[4, 4, 8], guidance_embeds=True)
     FluxPipeline(
         transformer=transformer, vae=_vae_kl(4, seed, shift_factor=0.1159, scaling_factor=0.3611),
-        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=16,
-                                                  max_image_seq_len=256),
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX1_DEV_SCHEDULER),
         text_encoder=_clip_encoder(clip_tok, CLIPTextModel, seed), tokenizer=clip_tok,
         text_encoder_2=_t5_encoder(t5_tok, 32, seed), tokenizer_2=t5_tok,
     ).save_pretrained(out_dir)
@@ -166,6 +179,6 @@ def make_tiny_klein(out_dir, *, seed=0):
     with torch.no_grad():  # non-trivial latent batch-norm statistics
         vae.bn.running_mean.uniform_(-0.2, 0.2)
         vae.bn.running_var.uniform_(0.5, 1.5)
-    Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
-                       tokenizer=tok, transformer=transformer).save_pretrained(out_dir)
+    Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_KLEIN_SCHEDULER), vae=vae,
+                       text_encoder=text_encoder, tokenizer=tok, transformer=transformer).save_pretrained(out_dir)
     return str(out_dir)

@@ -1,5 +1,7 @@
 """The tiny world's tokenizer: one byte-level BPE trained on the synthetic questions and answer formats, with
-the special tokens and chat template of each VLM family (Qwen2.5-VL, InternVL, GLM-4V).
+the special tokens and chat template of each VLM family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, InternVL,
+GLM-4.1V, SmolVLM, LLaVA-OneVision): each family's turn markers, role names and image placeholder, as its released
+template renders them (system prompts defaults and thinking blocks left out).
 
 Each answer word of the synthetic tasks is a single token, so an answer is one sampling decision.
 """
@@ -19,7 +21,9 @@ SINGLE_TOKEN_WORDS = COLOURS + SHAPES + ("yes", "no", "left", "right")
 
 DEFAULT_BPE_VOCAB = 384  # 256 byte symbols + 128 merges; the family's special tokens come on top
 
-FAMILIES = ("qwen2_5_vl", "internvl", "glm4v")
+FAMILIES = ("qwen2_5_vl", "internvl", "glm4v")  # the first three, which the loader and SFT tests run through
+# Every family make_tiny_vlm builds (tests/test_families.py runs each through the log-prob, SFT and vLLM checks).
+ALL_FAMILIES = FAMILIES + ("qwen3_vl", "qwen3_5", "gemma3", "internvl3_5", "smolvlm", "llava_onevision")
 
 
 
@@ -161,6 +165,71 @@ def _glm4v_template() -> str:
     )
 
 
+def _gemma3_template() -> str:
+    """Gemma 3: `<bos><start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n`; the assistant role is
+    `model`, a system turn is prepended to the first user turn, an image is `<start_of_image>` (the processor
+    expands it to `\n\n<start_of_image>` + soft tokens + `<end_of_image>\n\n`)."""
+    content = _CONTENT.replace("IMAGE", repr("<start_of_image>")).replace("VIDEO", repr("<start_of_image>"))
+    return (
+        "{{- bos_token -}}"
+        "{%- set ns = namespace(system='') -%}"
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'system' -%}{%- set ns.system = (message['content'] if message['content'] is "
+        "string else message['content'][0]['text']) + '\n\n' -%}"
+        "{%- else -%}"
+        "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' -}}"
+        "{%- if message['role'] == 'user' -%}{{- ns.system -}}{%- set ns.system = '' -%}{%- endif -%}"
+        "{%- if message['role'] == 'assistant' -%}{%- generation -%}" + content + "{{- '<end_of_turn>' -}}"
+        "{%- endgeneration -%}{{- '\n' -}}"
+        "{%- else -%}" + content + "{{- '<end_of_turn>\n' -}}{%- endif -%}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+    )
+
+
+def _smolvlm_template() -> str:
+    """SmolVLM / Idefics3: `<|im_start|>User:<image>text<end_of_utterance>\nAssistant: text<end_of_utterance>\n`
+    (role capitalised, `:` then a space unless the turn opens with an image); generation prompt `Assistant:`."""
+    content = _CONTENT.replace("IMAGE", repr("<image>")).replace("VIDEO", repr("<image>"))
+    opens_with_image = ("(message['content'] is not string and message['content'][0]['type'] in "
+                        "('image', 'image_url'))")
+    return (
+        "{{- '<|im_start|>' -}}"
+        "{%- for message in messages -%}"
+        "{{- message['role'] | capitalize -}}{{- ':' if " + opens_with_image + " else ': ' -}}"
+        "{%- if message['role'] == 'assistant' -%}{%- generation -%}" + content + "{{- '<end_of_utterance>' -}}"
+        "{%- endgeneration -%}{{- '\n' -}}"
+        "{%- else -%}" + content + "{{- '<end_of_utterance>\n' -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
+    )
+
+
+def _llava_onevision_template() -> str:
+    """LLaVA-OneVision (Qwen2 LM): `<|im_start|>user <image>\ntext<|im_end|><|im_start|>assistant\n...`: a
+    role, a space, the turn's images first, then each text after a newline; turns are not separated by newlines.
+    The generation prompt `<|im_start|>assistant\n` is the start of every assistant turn."""
+    images = ("{%- if message['content'] is not string -%}{%- for item in message['content'] -%}"
+              "{%- if item['type'] in ('image', 'image_url') -%}{{- '<image>' -}}{%- endif -%}"
+              "{%- endfor -%}{%- endif -%}")
+    texts = ("{%- if message['content'] is string -%}{{- '\n' + message['content'] -}}{%- else -%}"
+             "{%- for item in message['content'] -%}{%- if item['type'] == 'text' -%}{{- '\n' + item['text'] -}}"
+             "{%- endif -%}{%- endfor -%}{%- endif -%}")
+    return (
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant' -}}{%- generation -%}" + texts +
+        "{{- '<|im_end|>' -}}{%- endgeneration -%}"
+        "{%- else -%}{{- '<|im_start|>' + message['role'] + ' ' -}}" + images + texts + "{{- '<|im_end|>' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    )
+
+
+# SmolVLM's processor writes each tile's position as `<row_r_col_c>` (up to its largest grid of tiles).
+_SMOLVLM_TILE_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
+
 # family -> (special tokens, named tokenizer attributes the processor reads, eos, pad, chat template)
 _FAMILY_TOKENS = {
     "qwen2_5_vl": dict(
@@ -188,7 +257,33 @@ _FAMILY_TOKENS = {
         template=_glm4v_template,
     ),
 }
-_FAMILY_TOKENS["qwen2"] = _FAMILY_TOKENS["qwen2_5_vl"]  # the text-only LLM speaks ChatML too
+_FAMILY_TOKENS.update({
+    "gemma3": dict(
+        special=["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                 "<end_of_image>", "<image_soft_token>"],
+        named={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
+        eos="<eos>", pad="<pad>", bos="<bos>", stop=["<end_of_turn>", "<eos>"], template=_gemma3_template,
+    ),
+    "smolvlm": dict(
+        special=["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                 "<global-img>", *_SMOLVLM_TILE_TOKENS],
+        named={"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+               "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
+        eos="<end_of_utterance>", pad="<|endoftext|>", stop=["<end_of_utterance>", "<|endoftext|>"],
+        template=_smolvlm_template,
+    ),
+    "llava_onevision": dict(
+        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
+        named={"image_token": "<image>", "video_token": "<video>"},
+        eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
+        template=_llava_onevision_template,
+    ),
+})
+# Qwen3-VL and Qwen3.5 keep Qwen2.5-VL's tokens and ChatML turns; InternVL3.5 those of InternVL3; the text-only
+# LLMs (Qwen2, Qwen3) speak ChatML too.
+for _alias, _source in (("qwen3_vl", "qwen2_5_vl"), ("qwen3_5", "qwen2_5_vl"), ("internvl3_5", "internvl"),
+                        ("qwen2", "qwen2_5_vl"), ("qwen3", "qwen2_5_vl")):
+    _FAMILY_TOKENS[_alias] = _FAMILY_TOKENS[_source]
 
 
 def make_tiny_tokenizer(family: str = "qwen2_5_vl", *, vocab_size: int = DEFAULT_BPE_VOCAB):
@@ -200,6 +295,7 @@ def make_tiny_tokenizer(family: str = "qwen2_5_vl", *, vocab_size: int = DEFAULT
         tokenizer_object=_train_bpe(vocab_size),
         eos_token=spec["eos"],
         pad_token=spec["pad"],
+        bos_token=spec.get("bos"),
         extra_special_tokens=spec["special"],
         # Named attributes (tokenizer.image_token, tokenizer.image_token_id, ...) the processors read.
         model_specific_special_tokens=dict(spec["named"]),

@@ -24,3 +24,8 @@ def exit_on_bad_input(prog: str):
     except InputError as exc:
         sys.stderr.flush()
         raise ConfigError(f"{prog}: error: {exc}") from None
+
+
+class ImageTokenError(InputError):
+    """A prompt whose image tokens do not match its images: cut (a length limit fell inside an image) or repeated
+    without its pixels. Raised before any forward, never dropped silently."""

@@ -310,7 +310,9 @@ class SD3Generator(_VaeScaled, FlowGenerator):
             mu = calculate_shift((latents.shape[2] // p) * (latents.shape[3] // p), cfg.get("base_image_seq_len", 256),
                                  cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
                                  cfg.get("max_shift", 1.16))
-        return _schedule(sched, num_steps, self.device, None, mu)
+        # the pipeline spaces its own timesteps; a fixed shift (R3) shifts linear steps, as the other adapters do
+        sigmas = None if shift is None else np.linspace(1.0, 1 / num_steps, num_steps)
+        return _schedule(sched, num_steps, self.device, sigmas, mu)
 
     def forward(self, x, timestep, cond, branch, guidance):
         return self.denoiser(hidden_states=x, timestep=timestep, encoder_hidden_states=branch["embeds"],
@@ -383,7 +385,10 @@ class Flux2KleinGenerator(FlowGenerator):
     models; distilled ones run without), refine = the pipeline's reference-image path (tokens joined, time id 10)."""
 
     pipeline_class = Flux2KleinPipeline
-    lora_targets = DEFAULT_LORA_TARGETS + ("to_qkv_mlp_proj", "to_out")
+    # A regex (peft matches it whole): "to_out" is a Linear in the single-stream blocks but a ModuleList (Linear,
+    # Dropout) in the double-stream ones, which peft cannot wrap, so a plain name list cannot take both.
+    lora_targets = (r".*\.(" + "|".join(t.replace(".", r"\.") for t in DEFAULT_LORA_TARGETS + ("to_qkv_mlp_proj",))
+                    + r")$|.*single_transformer_blocks\.\d+\.attn\.to_out$")
 
     def __init__(self, pipe, *, text_encoder_out_layers=(9, 18, 27)):
         super().__init__(pipe)

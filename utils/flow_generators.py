@@ -246,10 +246,11 @@ class FlowGenerator:
     # ---- schedule helpers ----------------------------------------------------------------------------------
 
     def _scheduler(self, shift):
-        # A fixed shift (R3: 3, t' = 3t / (1 + 2t)) replaces the pipeline's resolution-dependent mu.
-        if shift is None:
-            return self.scheduler
-        return type(self.scheduler).from_config(self.scheduler.config, use_dynamic_shifting=False, shift=shift)
+        # A fixed shift (R3: 3, t' = 3t / (1 + 2t)) replaces the pipeline's mu and what diffusers does after a
+        # shift (Qwen-Image's shift_terminal 0.02 stretches the sigmas; karras / exponential / beta respace them).
+        off = dict(shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False, use_beta_sigmas=False)
+        return self.scheduler if shift is None else type(self.scheduler).from_config(
+            self.scheduler.config, use_dynamic_shifting=False, shift=shift, invert_sigmas=False, **off)
 
     # ---- training ---------------------------------------------------------------------------------------------
 
@@ -259,9 +260,10 @@ class FlowGenerator:
         from peft import LoraConfig
 
         self.transformer.requires_grad_(False)
-        targets = list(target_modules or self.lora_targets)
+        targets = target_modules or self.lora_targets  # names, or a str: one regex over module names (peft)
         self.transformer.add_adapter(LoraConfig(r=r, lora_alpha=alpha or r, lora_dropout=dropout,
-                                                init_lora_weights=init_lora_weights, target_modules=targets))
+                                                init_lora_weights=init_lora_weights,
+                                                target_modules=targets if isinstance(targets, str) else list(targets)))
         params = [p for p in self.transformer.parameters() if p.requires_grad]
         for p in params:
             p.data = p.data.float()

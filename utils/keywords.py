@@ -66,16 +66,21 @@ def load_texts(path):
     return [" ".join(v.get("reasoning_steps") or []) + " " + str(v.get("answer", "")) for v in data.values()]
 
 
+def keyword_shares(texts, groups=None):
+    """{"hits": all keyword hits in `texts`, "shares": {word: its share of them}} over the words of KEYWORD_GROUPS
+    (every word, zeros included, in KEYWORD_GROUPS order)."""
+    words = [w for ws in (groups or KEYWORD_GROUPS).values() for w in ws]
+    counts = [sum(len(_keyword_pattern(w).findall(t)) for t in texts) for w in words]
+    total = sum(counts)
+    return {"hits": total, "shares": {w: c / max(total, 1) for w, c in zip(words, counts)}}
+
+
 def sft_efficacy_score(base_texts, sft_texts, groups=None, cap=2.0):
     """How much SFT raised the reasoning keywords, as the OpenVLThinker card scores it: each keyword's share of
     all keyword hits in the SFT model's responses over its share in the base model's (a share of 0 counts as
-    1e-6), averaged over the keywords and capped at `cap` (2). Keywords: the words of KEYWORD_GROUPS."""
-    words = [w for ws in (groups or KEYWORD_GROUPS).values() for w in ws]
-
-    def shares(texts):
-        counts = [sum(len(_keyword_pattern(w).findall(t)) for t in texts) for w in words]
-        total = max(sum(counts), 1)
-        return [c / total for c in counts]
-
-    ratios = [s / max(b, 1e-6) for s, b in zip(shares(sft_texts), shares(base_texts))]
+    1e-6), averaged over the keywords and capped at `cap` (2). Keywords: the words of KEYWORD_GROUPS. A base
+    that uses no keyword makes every used keyword's ratio 1e6: the score then sits at its cap whatever SFT did,
+    so read it beside `keyword_shares` of both."""
+    base, sft = keyword_shares(base_texts, groups)["shares"], keyword_shares(sft_texts, groups)["shares"]
+    ratios = [sft[w] / max(base[w], 1e-6) for w in sft]
     return min(sum(ratios) / len(ratios), cap) if ratios else 1.0

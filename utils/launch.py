@@ -11,8 +11,12 @@ import os
 import sys
 
 
-def _parent_num_processes():
-    """N from the parent `accelerate launch ... --num_processes N` command line, or None."""
+def _parent_launch():
+    """(num_processes, num_machines, machine_rank) of the parent `accelerate launch` command, or None.
+
+    The command line wins over its --config_file (or accelerate's default config, which accelerate itself
+    reads only without --cpu); a value neither names is None.
+    """
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
@@ -20,25 +24,48 @@ def _parent_num_processes():
         return None
     if not any(a.endswith("accelerate") for a in argv) or "launch" not in argv:
         return None
-    for i, arg in enumerate(argv):
-        if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if arg.startswith(("--num_processes=", "--num-processes=")):
-            return int(arg.split("=", 1)[1])
-    return None
+    from accelerate.commands.config import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    args, _ = launch_command_parser().parse_known_args(argv[argv.index("launch") + 1:])
+    values = {"num_processes": args.num_processes, "num_machines": args.num_machines,
+              "machine_rank": args.machine_rank}
+    if args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu):
+        defaults = load_config_from_file(args.config_file)
+        for name in values:
+            if values[name] is None:
+                values[name] = getattr(defaults, name, None)
+    return values["num_processes"], values["num_machines"] or 1, values["machine_rank"] or 0
 
 
 def relaunch_multi_cpu_if_needed():
-    """Re-exec under torch.distributed.run when accelerate asked for N > 1 CPU processes but started one."""
+    """Re-exec under torch.distributed.run when accelerate asked for N > 1 CPU processes but started one.
+
+    On M > 1 machines (`--num_machines M --machine_rank R`, N processes in all) each machine starts N / M
+    workers as node R of a static rendezvous at accelerate's main_process_ip:port, so the M machines form
+    one group of N (not M separate groups that each train as if alone).
+    """
     env = os.environ
     launched_single = (env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_ADDR" in env
                        and "RANK" not in env and "PMI_SIZE" not in env and "OMPI_COMM_WORLD_SIZE" not in env)
     if not launched_single:
         return
-    n = _parent_num_processes()
-    if not n or n < 2:
+    parent = _parent_launch()
+    if parent is None:
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+    n, machines, machine_rank = parent
+    if machines > 1:
+        from utils.config import ConfigError
+
+        if not n or n % machines:
+            raise ConfigError(f"accelerate launch --num_machines {machines} --num_processes {n}: the processes "
+                              "must split evenly over the machines (--num_processes is the total)")
+        if not 0 <= machine_rank < machines:
+            raise ConfigError(f"accelerate launch --machine_rank {machine_rank}: must be in 0..{machines - 1}")
+    elif not n or n < 2:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={machines}", f"--node_rank={machine_rank}",
+           f"--nproc_per_node={n // machines}", "--rdzv_backend=static",
            f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', '29500')}",
            sys.argv[0], *sys.argv[1:]]
     sys.stdout.flush()

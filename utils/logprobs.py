@@ -6,7 +6,7 @@ from torch import nn
 
 from kernels import fused_token_logprobs
 from utils.models import activation_checkpointing_on
-from utils.rollout import cache_kwargs
+from utils.rollout import cache_kwargs, check_features_match_tokens
 
 
 def hf_core(model):
@@ -24,9 +24,10 @@ class CompletionLogProbs(nn.Module):
     keeps DDP gradient hooks and ZeRO-3 parameter gathering working, since everything runs in forward.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, padding_free=False):
         super().__init__()
         self.model = model
+        self.padding_free = padding_free  # one packed pass without padding tokens (utils/packing.py)
         head = hf_core(model).get_output_embeddings()
         self._zero3_register(head)
 
@@ -49,11 +50,18 @@ class CompletionLogProbs(nn.Module):
         """Log-probs [B, T] of the completions. With `prompt_index` ([B], row of `prompt_inputs` for each
         completion) the G completions of a group share one forward pass over their prompt."""
         core = hf_core(self.model)
+        if self.padding_free:
+            from utils.packing import packed_completion_hidden
+
+            hidden, _ = packed_completion_hidden(core.base_model, prompt_inputs, prompt_index, completion_ids,
+                                                 completion_mask)
+            return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
         if prompt_index is not None:
             if not activation_checkpointing_on(core):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
                                                    temperature, return_entropy)
             prompt_inputs = expand_prompts(prompt_inputs, prompt_index)
+        check_features_match_tokens(core.config, prompt_inputs)
         input_ids = torch.cat([prompt_inputs["input_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([prompt_inputs["attention_mask"],
                                     completion_mask.to(prompt_inputs["attention_mask"])], dim=1)
@@ -88,6 +96,7 @@ class CompletionLogProbs(nn.Module):
         3-D rope too) are those of the full sequences, as in the unshared forward."""
         from transformers import DynamicCache
 
+        check_features_match_tokens(core.config, prompts)
         base = core.base_model
         idx = torch.as_tensor(prompt_index, device=completion_ids.device)
         p_ids, p_mask = prompts["input_ids"], prompts["attention_mask"]
@@ -114,17 +123,26 @@ class CompletionLogProbs(nn.Module):
         return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
 
 
+# Families whose prompt pass (vision tower, rope, image attention) is exact when shared by a group's completions,
+# with one image per prompt: Qwen-VL's and GLM's flattened patches split per prompt by image_grid_thw (Qwen3-VL's
+# DeepStack features only touch the prompt's image positions, its interleaved rope is rebuilt on the full
+# sequences); Gemma 3's soft tokens attend to each other only inside the prompt pass (token_type_ids) and its
+# pixel rows are one per image (no pan-and-scan crops: see shared_prompt_pixel_rows); SmolVLM/Idefics3 and
+# LLaVA-OneVision keep one pixel row per prompt. docs/models.md lists the families left out and why.
+SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "gemma3", "idefics3", "llava_onevision")
+
+
 def can_share_prompts(model, images_per_prompt, videos_per_prompt=None):
-    """Whether a group's completions can share one prompt pass: text-only models, and Qwen-VL models with
-    one image per prompt (their flattened pixel_values split per prompt by image_grid_thw); with videos, one
-    video per prompt and one image per prompt or none (pixel_values_videos split by video_grid_thw)."""
+    """Whether a group's completions can share one prompt pass: text-only models, and the SHARED_PROMPT_FAMILIES
+    with one image per prompt; with videos (Qwen2-VL / Qwen2.5-VL), one video per prompt and one image per prompt
+    or none (pixel_values_videos split by video_grid_thw)."""
     config = hf_core(model).config
     if videos_per_prompt is not None and any(videos_per_prompt):
         return (config.model_type in ("qwen2_vl", "qwen2_5_vl") and all(n == 1 for n in videos_per_prompt)
                 and len(set(images_per_prompt)) == 1 and images_per_prompt[0] in (0, 1))
     if all(n == 0 for n in images_per_prompt):
         return not hasattr(config, "vision_config")
-    return config.model_type in ("qwen2_vl", "qwen2_5_vl") and all(n == 1 for n in images_per_prompt)
+    return config.model_type in SHARED_PROMPT_FAMILIES and all(n == 1 for n in images_per_prompt)
 
 
 def expand_prompts(prompts, prompt_index):
@@ -157,7 +175,7 @@ class AdapterDisabledReference(nn.Module):
             return policy(*args, **kwargs)
 
 
-def prepare_reference_model(cfg, model_path, policy, accelerator):
+def prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=False):
     """A frozen copy of the initial policy for the KL term (only built when beta != 0).
 
     With LoRA the base weights are the reference, so adapters are disabled instead of loading a copy.
@@ -171,7 +189,7 @@ def prepare_reference_model(cfg, model_path, policy, accelerator):
                                       max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
                                       max_anyres_num=cfg.max_anyres_num)
     ref.requires_grad_(False)
-    ref = CompletionLogProbs(ref).eval()
+    ref = CompletionLogProbs(ref, padding_free=padding_free).eval()
     if accelerator.distributed_type.name == "DEEPSPEED":
         import deepspeed
 

@@ -95,8 +95,12 @@ def load_model_and_processor(
     if _is_image_text_to_text(config):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        try:  # the processor first: a family whose processor cannot run here is refused before its weights load
+            processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except ImportError as err:  # e.g. SmolVLM2's SmolVLMProcessor needs num2words
+            raise ModelLoadError(f"model {name_or_path!r} ({config.model_type}): its processor needs a package this "
+                                 f"environment lacks: {(str(err).splitlines() or [''])[0]}") from err
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
-        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         _configure_image_processor(processor, name_or_path, min_pixels, max_pixels, max_anyres_num)
         tokenizer = processor.tokenizer
     else:
@@ -266,3 +270,41 @@ def disable_dropout(model):
                 setattr(module, name, 0.0)
                 changed += 1
     return changed
+
+
+def image_token_id(processor_or_config):
+    """The id of the token each image feature replaces (the one the model counts), from a model config or a
+    processor: InternVL's <IMG_CONTEXT>, Gemma's soft token (not its <start_of_image> placeholder), Qwen's
+    <|image_pad|>, ... None for a text-only model."""
+    config = processor_or_config
+    for name in ("image_token_id", "image_token_index"):
+        if isinstance(getattr(config, name, None), int) and hasattr(config, "vision_config"):
+            return getattr(config, name)
+    tokenizer = getattr(processor_or_config, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    for name in ("context_image_token_id", "image_token_id"):
+        if isinstance(getattr(tokenizer, name, None), int):
+            return getattr(tokenizer, name)
+    token = getattr(processor_or_config, "image_token", None)
+    return tokenizer.convert_tokens_to_ids(token) if token else None
+
+
+def vision_feature_count(config, inputs):
+    """How many image features the vision inputs of a batch produce (so how many image tokens its input_ids
+    must hold), or None where the count depends on more than these tensors (then transformers' own check holds).
+
+    Grid families (Qwen2/2.5/3-VL, Qwen3.5, GLM-4.1V): each image is t*h*w patches merged merge_size^2 to one.
+    Fixed-length families: Gemma 3 (mm_tokens_per_image per image, pan-and-scan crops included), InternVL
+    (image_seq_length per tile)."""
+    pixels = inputs.get("pixel_values")
+    if pixels is None:
+        return 0
+    if inputs.get("image_grid_thw") is not None:
+        merge = getattr(config.vision_config, "spatial_merge_size", None)
+        return int(inputs["image_grid_thw"].prod(-1).sum()) // merge**2 if merge else None
+    if config.model_type == "gemma3":
+        return int(pixels.shape[0]) * config.mm_tokens_per_image
+    if config.model_type == "internvl":
+        return int(pixels.shape[0]) * config.image_seq_length
+    return None

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from utils.errors import InputError
+from utils.errors import ImageTokenError, InputError
 from utils.video import check_video_tokens, processor_video_kwargs
 
 # Chat templates end an assistant turn with one of these; generation must stop there too.
@@ -130,6 +130,8 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
         raise_for_sample(processor, sample_ids, texts, images, err, videos=videos)
     finally:
         tokenizer.padding_side = previous_side
+    if has_images:
+        check_image_tokens(processor, batch["input_ids"], images, sample_ids)
     if has_videos:
         check_video_tokens(processor, batch["input_ids"], batch.get("video_grid_thw"), videos, sample_ids)
     if max_prompt_length:
@@ -154,6 +156,56 @@ def raise_for_sample(processor, sample_ids, texts, images, err, videos=None):
         except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
             raise InputError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
     raise err
+
+
+def image_tokens_per_image(processor, image):
+    """How many image tokens the processor gives `image` on its own (its family's placeholder, rendered by the
+    chat template, expanded): pan-and-scan crops, tiles and resizing included. Cached per image size."""
+    from utils.models import image_token_id
+
+    cache = processor.__dict__.setdefault("_mmgrpo_tokens_per_size", {})
+    key = (image.size, getattr(image, "mode", None))
+    if key not in cache:
+        placeholder = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}],
+                                                    tokenize=False, add_generation_prompt=False)
+        ids = processor(text=[placeholder], images=[[image]], return_tensors="pt")["input_ids"]
+        cache[key] = int((ids == image_token_id(processor)).sum())
+    return cache[key]
+
+
+def check_image_tokens(processor, input_ids, images, sample_ids):
+    """Refuse (ImageTokenError, naming the sample) a row whose image tokens are not exactly those of its images:
+    a length limit that cut an image, a template or processor call that repeated or dropped one. The model would
+    otherwise fail on the batch ("image features and image tokens do not match") or, worse, run on a
+    misaligned prompt."""
+    from utils.models import image_token_id
+
+    token = image_token_id(processor)
+    if token is None:
+        return
+    counts = (input_ids == token).sum(-1).tolist()
+    for sid, have, imgs in zip(sample_ids, counts, images):
+        need = sum(image_tokens_per_image(processor, img) for img in imgs)
+        if have != need:
+            how = "cut (a length limit fell inside an image)" if have < need else "repeated"
+            raise ImageTokenError(f"sample {sid!r}: {have} image tokens where its {len(imgs)} image(s) need {need}; "
+                                  f"the image tokens were {how}")
+
+
+def check_features_match_tokens(config, inputs, input_ids=None):
+    """Before a forward: the image tokens of the batch must be exactly as many as the image features its pixels
+    produce (utils.models.vision_feature_count), e.g. after prompts were repeated per completion."""
+    from utils.models import image_token_id, vision_feature_count
+
+    token = image_token_id(config)
+    need = vision_feature_count(config, inputs) if token is not None else None
+    if need is None:
+        return
+    ids = inputs["input_ids"] if input_ids is None else input_ids
+    have = int((ids == token).sum())
+    if have != need:
+        raise ImageTokenError(f"the batch holds {have} image tokens for {need} image features: a prompt's image "
+                              "tokens were cut or repeated without its pixels")
 
 
 @contextlib.contextmanager

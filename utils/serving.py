@@ -39,12 +39,29 @@ def die_with_parent():
         pass
 
 
-def _require_serving():
-    from transformers.utils.import_utils import is_serve_available
+SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")  # what transformers' is_serve_available checks
 
-    if not is_serve_available():
-        raise ServerStartError('`transformers serve` needs its serving extras: pip install "transformers[serving]" '
-                               "(fastapi, uvicorn, openai; pinned in requirements-dev.txt)")
+
+def missing_serving_packages() -> list[str]:
+    """The packages `transformers serve` needs that this environment lacks (none: it can serve)."""
+    from importlib.util import find_spec
+
+    return [name for name in SERVING_PACKAGES if find_spec(name) is None]
+
+
+def serving_problem(what: str = "`transformers serve`"):
+    """None when `transformers serve` can run here, else the one-line refusal with the command that fixes it."""
+    missing = missing_serving_packages()
+    if not missing:
+        return None
+    return (f"{what} needs `transformers serve`, whose packages {', '.join(missing)} are not installed here; "
+            "install the pinned set: pip install -r requirements.txt")
+
+
+def require_serving(what: str = "`transformers serve`"):
+    problem = serving_problem(what)
+    if problem:
+        raise ServerStartError(problem)
 
 
 class LocalServer:
@@ -69,7 +86,7 @@ class LocalServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> "LocalServer":
-        _require_serving()
+        require_serving()
         self.port = self.port or free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         if self.threads:

@@ -25,7 +25,7 @@ import torch
 
 from utils.data import IMAGE_MARKER, images_of, videos_of
 from utils.prompts import RESPONSE_TEMPLATES, build_messages
-from utils.rollout import raise_for_sample
+from utils.rollout import check_image_tokens, raise_for_sample
 from utils.video import VIDEO_MARKER, check_video_tokens, load_clips, processor_video_kwargs
 
 IGNORE_INDEX = -100
@@ -178,4 +178,6 @@ def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length
             # per-token tensors only (pixel tensors never are: they are cut by image, not by token)
             if torch.is_tensor(value) and value.shape[:2] == input_ids.shape and not key.startswith(("pixel", "image")):
                 batch[key] = value[:, :max_length]
+    if has_images:  # an image inside a cut assistant turn would leave its features without tokens
+        check_image_tokens(processor, batch["input_ids"], images, sample_ids)
     return batch

@@ -83,9 +83,16 @@ def is_vision_language(model_config):
     return hasattr(model_config, "vision_config")
 
 
+# vLLM's processors for these families take videos too: a video limit of 0 spares the memory vLLM would reserve for
+# one (Gemma 3's and Idefics3's vLLM processors take images only and would refuse a "video" key).
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision")
+_PAN_AND_SCAN = ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate")
+
+
 def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
-    """The image budget the trainer's processor uses, for vLLM's own processor: Qwen-style pixel limits
-    (`size`), tile limits of tiling processors. From the processor itself when given, else from the flags.
+    """The image budget of the trainer's processor for vLLM's own, so each image expands to the tokens the trainer's
+    prompt ids hold: Qwen-VL/GLM `size` (pixel budget), InternVL tile limits, Idefics3/SmolVLM `size` longest_edge
+    (vLLM needs it a multiple of the tile edge), Gemma 3 pan-and-scan. From the processor, else from the flags.
     With a `video_budget` (utils.video), the video processor's bounds and no resampling of the given frames."""
     image_processor = getattr(processor, "image_processor", None)
     out = {}
@@ -93,8 +100,13 @@ def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
         size = dict(getattr(image_processor, "size", None) or {})
         if size.get("shortest_edge") is not None and size.get("longest_edge") is not None:
             out["size"] = {"shortest_edge": int(size["shortest_edge"]), "longest_edge": int(size["longest_edge"])}
+        elif size.get("longest_edge") is not None and getattr(image_processor, "max_image_size", None):
+            out["size"] = {"longest_edge": int(size["longest_edge"])}
         if getattr(image_processor, "crop_to_patches", False) and getattr(image_processor, "max_patches", None):
             out.update(crop_to_patches=True, max_patches=int(image_processor.max_patches))
+        if getattr(image_processor, "do_pan_and_scan", None) is not None:
+            on = out["do_pan_and_scan"] = bool(image_processor.do_pan_and_scan)
+            out.update({name: getattr(image_processor, name) for name in _PAN_AND_SCAN if on})
     elif cfg is not None:
         for name in ("min_pixels", "max_pixels"):  # overrides vLLM's Qwen-VL processors understand
             if getattr(cfg, name, None) is not None:
@@ -107,8 +119,8 @@ def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
 
 
 def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max_images_per_prompt=4,
-                  max_videos_per_prompt=0):
-    """Arguments of `vllm.LLM` for one colocated engine."""
+                  max_videos_per_prompt=0, model_type=None):
+    """Arguments of `vllm.LLM` for one colocated engine (`model_type`: the family, for its multimodal limits)."""
     max_len = flag(cfg, "vllm_max_model_len")
     if max_len is None and getattr(cfg, "max_prompt_length", None):
         max_len = cfg.max_prompt_length + cfg.max_completion_length
@@ -125,9 +137,10 @@ def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max
                     max_num_batched_tokens=flag(cfg, "vllm_max_num_batched_tokens"))
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if vision_language:  # vLLM refuses limit_mm_per_prompt for text-only models
-        kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
+        video = {"video": 0} if model_type in VIDEO_FAMILIES else {}
         if max_videos_per_prompt:
-            kwargs["limit_mm_per_prompt"]["video"] = max_videos_per_prompt
+            video = {"video": max_videos_per_prompt}
+        kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, **video}
         if mm_kwargs:
             kwargs["mm_processor_kwargs"] = dict(mm_kwargs)
     return kwargs
@@ -314,7 +327,7 @@ class VLLMRollout:
         self.llm = vllm.LLM(**engine_kwargs(
             model_path, cfg, vision_language=self.vision_language, seed=cfg.seed + accelerator.process_index,
             mm_kwargs=mm_processor_kwargs(processor, cfg, video_budget), max_images_per_prompt=max_images_per_prompt,
-            max_videos_per_prompt=max_videos_per_prompt))
+            max_videos_per_prompt=max_videos_per_prompt, model_type=getattr(model_config, "model_type", None)))
         self.sleep_mode = bool(flag(cfg, "vllm_enable_sleep_mode"))
         self._synced_step, self._asleep = None, set()
         if self.sleep_mode:  # leave the memory to training until the first generation round

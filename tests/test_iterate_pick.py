@@ -1,0 +1,161 @@
+"""Validation-picked checkpoints: evaluate.py --select_best scores the run's start (--select_include, step 0) with
+its checkpoints and keeps the earliest best; iterate.py --rl_eval_steps makes each RL stage checkpoint every N steps
+and continues the cycle from the pick, and its report says which step. In-process: generation is replaced by
+answers rigged per model, the training stages by folders of checkpoints."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+import evaluate
+import iterate
+from evaluate import EvalConfig
+from iterate import IterateConfig, Runner
+from utils.checkpoint import TRAINING_STATE_DIR
+from utils.config import parse_config
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    from tests.distill_helpers import write_questions
+
+    return write_questions(str(tmp_path_factory.mktemp("questions")), n=12)
+
+
+def rig(monkeypatch, good):
+    """evaluate.generate answers every row right for the models in `good`, wrong for any other."""
+    def generate(cfg, model_path, rows):
+        right = any(model_path == g or model_path.endswith(os.sep + g) for g in good)
+        return [f"<think>I count.</think><answer>{r['answer'] if right else 'none'}</answer>" for r in rows]
+
+    monkeypatch.setattr(evaluate, "generate", generate)
+
+
+def _checkpoints(folder, steps):
+    for step in steps:
+        os.makedirs(folder / f"checkpoint-{step}")
+        (folder / f"checkpoint-{step}" / "config.json").write_text("{}")
+
+
+def test_select_include_is_step_zero_and_wins_ties(questions, tmp_path, monkeypatch):
+    path = questions[0]
+    run = tmp_path / "run"
+    _checkpoints(run, [2, 4, 6])
+    base = {"select_best": str(run), "select_include": ["start-model"], "dataset": path, "split": "train",
+            "metrics": ["accuracy"], "output_dir": str(tmp_path / "pick")}
+    rig(monkeypatch, good=["checkpoint-4", "checkpoint-6"])
+    result = evaluate.main(EvalConfig(**base))
+    assert (result["best_step"], os.path.basename(result["best_checkpoint"])) == (4, "checkpoint-4")  # ties: earliest
+    assert result["steps"] == {"start-model": 0, **{str(run / f"checkpoint-{s}"): s for s in (2, 4, 6)}}
+    rig(monkeypatch, good=["start-model", "checkpoint-6"])
+    result = evaluate.main(EvalConfig(**base))
+    assert (result["best_checkpoint"], result["best_step"], result["value"]) == ("start-model", 0, 1.0)
+    saved = json.loads((tmp_path / "pick" / "best_checkpoint.json").read_text())
+    assert saved["best_step"] == 0 and saved["scores"][str(run / "checkpoint-2")] == 0.0
+    with pytest.raises(ValueError, match="--select_include adds candidates to --select_best"):
+        evaluate.validate(EvalConfig(model="m", select_include=["x"]))
+
+
+def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, monkeypatch):
+    path, rows = questions
+    run = tmp_path / "run"
+    launched = {}
+
+    def fake_run(self, name, folder, command, result=lambda: {}):
+        if self.done(folder) is not None:
+            return self.done(folder)
+        recipe = command[-1]
+        values = yaml.safe_load(open(recipe))
+        if command[1].endswith("evaluate.py"):
+            evaluate.main(parse_config(EvalConfig, ["--config", recipe]))
+        elif command[1].endswith("distill.py"):
+            launched[name] = values
+            open(os.path.join(folder, "sft.jsonl"), "w").close()
+            json.dump({"kept": 0}, open(os.path.join(folder, "summary.json"), "w"))
+        else:  # a training stage: its checkpoints, where its recipe says
+            launched[name] = values
+            every, last = values.get("save_steps", 100), values.get("max_steps", 3)
+            steps = sorted(set(range(every, last + 1, every)) | {last})
+            for step in steps:
+                ckpt = os.path.join(folder, f"checkpoint-{step}")
+                os.makedirs(os.path.join(ckpt, TRAINING_STATE_DIR))
+                open(os.path.join(ckpt, "config.json"), "w").write("{}")
+                json.dump({"difficulty_levels": ["medium"] * 8, "step": step},
+                          open(os.path.join(ckpt, "trainer_state.json"), "w"))
+        return Runner.mark(name, folder, 0.0, result())
+
+    monkeypatch.setattr(Runner, "run", fake_run)
+    monkeypatch.setattr(Runner, "forward_signals", lambda self: None)
+    # the medium stage is best at step 2 (of 2, 4, 5); the hard stage never beats its start
+    rig(monkeypatch, good=[os.path.join("grpo-medium", "checkpoint-2")])
+    grpo = {"max_steps": 5, "difficulty_samples": 1}
+    distill = dict(dataset=path, caption_column="caption", captioner=None, reasoner_base_url="http://127.0.0.1:9/v1")
+    cfg = IterateConfig(num_cycles=2, next_data_serve=True, base_model=str(tmp_path / "base"), output_dir=str(run),
+                        rl_dataset=path, rl_samples=8, eval_dataset=path, eval_split="train", eval_samples=4,
+                        rl_eval_steps=2, val_samples=3, distill=distill, grpo_medium=grpo, grpo_hard=grpo,
+                        evaluate={"metrics": ["accuracy", "keywords"]})
+    report = iterate.main(cfg)
+
+    medium_pick = str(run / "cycle-1" / "grpo-medium" / "checkpoint-2")
+    assert launched["cycle-1/grpo-medium"]["save_steps"] == 2 and launched["cycle-1/grpo-medium"]["save_total_limit"] \
+        is None
+    assert launched["cycle-1/grpo-hard"]["model_name_or_path"] == medium_pick  # continued from the pick
+    # the difficulty estimate still comes from the medium stage's last checkpoint (the only one that holds all of it)
+    hard_data = launched["cycle-1/grpo-hard"]["dataset_name"]
+    assert hard_data == str(run / "cycle-1" / "grpo-hard-data")
+    picked = report["cycles"][0]["picked"]
+    assert picked["grpo-medium"]["step"] == 2 and picked["grpo-medium"]["steps"] == {"0": 0.0, "2": 1.0, "4": 0.0,
+                                                                                      "5": 0.0}
+    assert picked["grpo-hard"] == {"step": 0, "best_checkpoint": medium_pick, "value": 1.0,
+                                   "steps": {"0": 1.0, "2": 0.0, "4": 0.0, "5": 0.0}}
+    # the held-out evaluation of each stage is of the model the cycle continues from
+    stages = report["cycles"][0]["stages"]
+    assert (stages["grpo-medium"]["accuracy"], stages["grpo-hard"]["accuracy"]) == (1.0, 1.0)
+    # the validation rows are the 3 rows right after the 8 RL rows of the same split, never trained on
+    # cycle 2's new rows: the model cycle 1 ended with (the hard stage's pick), served by `transformers serve`
+    regenerate = launched["cycle-2/data (new rows)"]
+    assert (regenerate["chain_source"], regenerate["model"], regenerate["model_serve"]) == ("model", medium_pick, True)
+    assert launched["cycle-2/grpo-hard"]["model_name_or_path"] == str(run / "cycle-2" / "grpo-medium" / "checkpoint-2")
+    import datasets
+
+    val = datasets.load_from_disk(str(run / "val-data"))
+    assert val["id"] == [r["id"] for r in rows[8:11]]
+    assert json.loads((run / "report.json").read_text())["cycles"][0]["picked"]["grpo-medium"]["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_real_cycles_with_validation_picks_and_served_regeneration_on_requirements_txt_alone(distill_world,
+                                                                                                 tmp_path):
+    """The micro cycle of tests/test_iterate.py, really run, in an environment of requirements.txt's packages alone
+    (tests/requirements_env.py): each RL stage checkpoints every step, is scored on the validation rows (its start
+    included), the cycle goes on from the pick, and cycle 2's new rows come from cycle 1's model served by
+    `transformers serve`."""
+    import subprocess
+
+    from tests.requirements_env import closure, make_view_venv, pinned
+    from tests.test_iterate import REPO, _micro_recipe
+
+    python = make_view_venv(str(tmp_path / "venv"), closure(pinned()))
+    values = _micro_recipe(distill_world, tmp_path)
+    values.update(rl_eval_steps=1, val_samples=4, rl_samples=9, next_data_serve=True)
+    recipe = tmp_path / "cycles.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    out = subprocess.run([python, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
+                         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=2400)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    run = tmp_path / "run"
+    report = json.loads((run / "report.json").read_text())
+    for cycle in report["cycles"]:
+        assert set(cycle["picked"]) == {"grpo-medium", "grpo-hard"}
+        for stage, pick in cycle["picked"].items():
+            assert set(pick["steps"]) == {"0", "1", "2"} and pick["value"] == max(pick["steps"].values())
+            assert f"{stage} picked step {pick['step']}" in out.stdout
+    hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
+    assert hard["model_name_or_path"] == report["cycles"][0]["picked"]["grpo-medium"]["best_checkpoint"]
+    regenerate = yaml.safe_load((run / "cycle-2" / "data" / "new" / "recipe.yaml").read_text())
+    assert regenerate["model"] == report["cycles"][0]["picked"]["grpo-hard"]["best_checkpoint"]
+    assert regenerate["model_serve"] and (run / "cycle-2" / "data" / "new" / "model_server.log").exists()

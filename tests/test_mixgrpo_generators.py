@@ -1,0 +1,105 @@
+"""train_mixgrpo.py with every generator adapter (Qwen-Image, SD3/3.5, FLUX.1, FLUX.2 Klein) on tiny pipelines that
+carry the real checkpoints' scheduler configs: the flag checks before loading (fast) and, in the full tier, two
+steps of `accelerate launch train_mixgrpo.py` per adapter (reason, then reflect + refine where the adapter has an
+edit path) with a finite loss, a trained image LoRA, checkpoints, and an exact resume before the second step."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+import train_mixgrpo as tm
+from train_mixgrpo import MixGRPOConfig
+from utils.config import ConfigError
+from utils.tracking import read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+# adapter -> (tiny pipeline maker, can refine, extra flags)
+ADAPTERS = {
+    "qwenimage": ("make_tiny_qwenimage", True, {}),
+    "sd3": ("make_tiny_sd3", False, {}),
+    "flux": ("make_tiny_flux", False, {}),
+    "klein": ("make_tiny_klein", True, {"generator_kwargs": json.dumps({"text_encoder_out_layers": [1]}),
+                                        "cfg_img_scale_edit": 1.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    from tiny import pipelines
+
+    root = tmp_path_factory.mktemp("generators")
+    return {name: getattr(pipelines, maker)(str(root / name)) for name, (maker, _, _) in ADAPTERS.items()}
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_adapters_without_an_edit_path_refuse_reflect_refine_before_loading(pipes, name):
+    cfg = MixGRPOConfig(generator_name_or_path=pipes[name], conditioning="generator", cfg_img_scale_edit=1.0)
+    with pytest.raises(ConfigError, match=r"--reflect_refine: .* no edit path"):
+        tm.check_generators(cfg, pipes[name])
+    tm.check_generators(MixGRPOConfig(conditioning="generator", reflect_refine=False), pipes[name])
+    with pytest.raises(ConfigError, match="reads its own text encoders.*--conditioning generator"):
+        tm.check_generators(MixGRPOConfig(conditioning="base", reflect_refine=False), pipes[name])
+
+
+def test_klein_refines_without_image_cfg_and_qwen_image_with_it(pipes):
+    tm.check_generators(MixGRPOConfig(conditioning="generator", cfg_img_scale_edit=1.0), pipes["klein"])
+    with pytest.raises(ConfigError, match="--cfg_img_scale_edit 1.5: .*no image-free branch"):
+        tm.check_generators(MixGRPOConfig(conditioning="generator"), pipes["klein"])
+    tm.check_generators(MixGRPOConfig(conditioning="base"), pipes["qwenimage"])
+    beside_klein = MixGRPOConfig(conditioning="generator", cfg_img_scale_edit=1.0,
+                                 edit_generator_name_or_path=pipes["qwenimage"])
+    with pytest.raises(ConfigError, match="beside a Qwen-Image"):
+        tm.check_generators(beside_klein, pipes["klein"])
+
+
+def test_klein_lora_wraps_both_block_kinds(pipes):
+    """FLUX.2 Klein's `to_out` is a Linear in single-stream blocks and a ModuleList in double-stream ones."""
+    from utils.flow_adapters import Flux2KleinGenerator
+
+    gen = Flux2KleinGenerator.from_pretrained(pipes["klein"], text_encoder_out_layers=(1,))
+    assert gen.add_lora(2)
+    wrapped = {n.split(".lora_A")[0] for n, _ in gen.transformer.named_parameters() if ".lora_A." in n}
+    assert {"transformer_blocks.0.attn.to_out.0", "single_transformer_blocks.0.attn.to_out",
+            "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "transformer_blocks.0.attn.to_q"} <= wrapped
+
+
+def launch(pipes, name, out, **overrides):
+    _, refine, extra = ADAPTERS[name]
+    flags = dict(model_name_or_path=os.path.join(pipes["qwenimage"], "_vlm"), generator_name_or_path=pipes[name],
+                 conditioning="generator", group_size=2, policy_group_size=1, max_output_token_n_gen=4,
+                 max_output_token_n_edit=4, image_size=32, num_timesteps_gen=3, num_timesteps_edit=3,
+                 reward_fn="tests.mixgrpo_helpers:brightness", val_data_path="none", max_steps=2, save_steps=1,
+                 report_to="none", output_dir=str(out), learning_rate=1e-3, warmup_steps=0, generator_lora_r=2,
+                 reflect_refine=refine, cpu_threads=1, **extra)
+    flags.update(overrides)
+    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", os.path.join(REPO, "train_mixgrpo.py"),
+           *[x for k, v in flags.items() for x in (f"--{k}", str(v))]]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return read_jsonl(os.path.join(out, "metrics.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_two_steps_through_the_script_train_the_image_and_resume_exactly(pipes, tmp_path, name):
+    metrics = launch(pipes, name, tmp_path / "run")
+    stages = ["reason", "reflect" if ADAPTERS[name][1] else "reason"]
+    assert [f"{s}/score" in m for s, m in zip(stages, metrics)] == [True, True]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    lora = load_file(str(tmp_path / "run" / "checkpoint-1" / "generator_lora" / "pytorch_lora_weights.safetensors"))
+    assert max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k) > 0  # the image part was trained
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-2")
+    if ADAPTERS[name][1]:  # the reflect step reflects on the buffer the checkpoint holds
+        assert os.path.isfile(tmp_path / "run" / "checkpoint-1" / "reflect_buffer" / "images.pt")
+    resumed = launch(pipes, name, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    keys = [k for k in metrics[1] if k.split("/")[-1] in ("loss", "score", "text_reward", "image_reward", "format")]
+    assert {k: resumed[-1][k] for k in keys} == pytest.approx({k: metrics[1][k] for k in keys}, rel=1e-5, abs=1e-7)

@@ -1,0 +1,191 @@
+"""Padding-free packing (utils/packing.py): the packed log-prob pass equals the padded one, values and gradients,
+on every tiny family, with ragged completions, shared and unshared prompts, several packed rows, LoRA, gradient
+checkpointing and eager attention; SFT's packed NLL equals its padded one; unsupported models are refused."""
+
+import pytest
+import torch
+
+from tiny.models import make_tiny_llm, make_tiny_vlm
+from tiny.shapes import make_shapes_vqa
+from utils.config import ConfigError
+from utils.logprobs import CompletionLogProbs, expand_prompts
+from utils.models import load_model_and_processor
+from utils.packing import packed_completion_hidden, packing_unsupported_reason, resolve_padding_free
+from utils.prompts import build_messages
+from utils.rollout import encode_prompts
+
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
+
+FAMILIES = ["qwen2_5_vl", "internvl", "glm4v", "text"]
+# fp32 sums in another order: log-probs to 1e-5, gradients to 1e-4 of each tensor's largest entry
+LOGP_TOL, GRAD_TOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    text = request.param == "text"
+    path = (make_tiny_llm(str(root / "m"), seed=0) if text
+            else make_tiny_vlm(str(root / "m"), family=request.param, seed=0))
+    model, processor = load_model_and_processor(path)
+    rows = [make_shapes_vqa(3, seed=5)[i] for i in (0, 2)]
+    images = [[] if text else [r["image"]] for r in rows]
+    messages = [build_messages(r["question"] + " Look closely." * i, num_images=len(im))
+                for i, (r, im) in enumerate(zip(rows, images))]
+    prompts = encode_prompts(processor, messages, images, sample_ids=["a", "b"])
+    return dict(name=request.param, path=path, model=model, processor=processor, prompts=prompts)
+
+
+def ragged_completions(vocab=200, lengths=(9, 3, 1, 5, 9, 2)):
+    gen = torch.Generator().manual_seed(0)
+    width = max(lengths)
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(10, vocab, (len(lengths), width), generator=gen).masked_fill(mask == 0, 0)
+    return ids, mask, torch.randn(ids.shape, generator=gen)
+
+
+PROMPT_INDEX = torch.tensor([0, 0, 0, 1, 1, 1])
+
+
+def logps_and_grads(model, policy, prompts, ids, mask, weights, *, shared, entropy=False):
+    """Log-probs (and entropy) of the completions and the gradients of a weighted sum of them."""
+    model.zero_grad()
+    batch = prompts if shared else expand_prompts(prompts, PROMPT_INDEX)
+    out = policy(batch, ids, mask, 0.7, return_entropy=entropy, prompt_index=PROMPT_INDEX if shared else None)
+    logps, ent = out if entropy else (out, None)
+    loss = (logps * weights).sum() + (0.3 * (ent * weights).sum() if entropy else 0.0)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (logps.detach(), None if ent is None else ent.detach()), grads
+
+
+def assert_same(padded, packed):
+    (lp_a, ent_a), grads_a = padded
+    (lp_b, ent_b), grads_b = packed
+    assert torch.allclose(lp_a, lp_b, atol=LOGP_TOL), (lp_a - lp_b).abs().max()
+    if ent_a is not None:
+        assert torch.allclose(ent_a, ent_b, atol=LOGP_TOL), (ent_a - ent_b).abs().max()
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        scale = grads_a[name].abs().max().clamp(min=1e-12)
+        assert (grads_a[name] - grads_b[name]).abs().max() <= GRAD_TOL * scale, name
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt", "per_completion_prompt_rows"])
+def test_packed_equals_padded_on_every_family(family, shared, monkeypatch):
+    """Shared prompts (a unit: the prompt and its completions); per-completion prompts under a token budget that
+    spreads them over several rows (padded to the longest)."""
+    import utils.packing as packing
+
+    model, prompts = family["model"], family["prompts"]
+    ids, mask, weights = ragged_completions()
+    padded = logps_and_grads(model, CompletionLogProbs(model), prompts, ids, mask, weights, shared=False,
+                             entropy=True)
+    if not shared:
+        monkeypatch.setattr(packing, "MAX_PACKED_TOKENS", int(prompts["attention_mask"].sum(-1).max()) + 10)
+    packed = logps_and_grads(model, CompletionLogProbs(model, padding_free=True), prompts, ids, mask, weights,
+                             shared=shared, entropy=True)
+    assert_same(padded, packed)
+
+
+def test_packed_pass_has_no_padding_and_restarts_positions(family, monkeypatch):
+    """The packed rows hold the prompts' valid tokens and each completion's inputs (its last token predicts
+    nothing), and a row is no longer than the longest unit; positions restart at 0 for each prompt; a token
+    budget splits the rows further."""
+    import utils.packing as packing
+
+    model, prompts = family["model"], family["prompts"]
+    ids, mask, _ = ragged_completions()
+    with torch.no_grad():
+        _, packed = packed_completion_hidden(model.base_model, prompts, PROMPT_INDEX, ids, mask)
+        units = [int(prompts["attention_mask"][p].sum()) + int((mask[PROMPT_INDEX == p].sum(-1) - 1).sum())
+                 for p in (0, 1)]
+        assert packed.tokens == sum(units) and packed.input_ids.shape[1] == max(units)
+        pos = packed.position_ids if packed.position_ids.dim() == 2 else packed.position_ids[0]
+        assert pos[0, 0] == 0 and pos.view(-1)[packed.start[(1, 0)]] == 0
+        monkeypatch.setattr(packing, "MAX_PACKED_TOKENS", int(prompts["attention_mask"].sum(-1).max()) + 10)
+        _, packed = packed_completion_hidden(model.base_model, expand_prompts(prompts, PROMPT_INDEX), None, ids, mask)
+    assert len(packed.rows) > 1 and packed.input_ids.shape[1] < packed.tokens
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = make_tiny_vlm(str(tmp_path_factory.mktemp("qwen") / "m"), seed=0)
+    rows = [make_shapes_vqa(3, seed=5)[i] for i in (0, 2)]
+    return path, rows
+
+
+def qwen_prompts(processor, rows):
+    messages = [build_messages(r["question"] + " Look closely." * i, num_images=1) for i, r in enumerate(rows)]
+    return encode_prompts(processor, messages, [[r["image"]] for r in rows], sample_ids=["a", "b"])
+
+
+@pytest.mark.parametrize("variant", ["lora_checkpointing", "eager"])
+def test_packed_equals_padded_under_lora_checkpointing_and_eager(qwen, variant):
+    path, rows = qwen
+    model, processor = load_model_and_processor(path, attn_implementation="eager" if variant == "eager" else None)
+    if variant == "lora_checkpointing":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    prompts = qwen_prompts(processor, rows)
+    ids, mask, weights = ragged_completions()
+    padded = logps_and_grads(model, CompletionLogProbs(model), prompts, ids, mask, weights, shared=False)
+    packed = logps_and_grads(model, CompletionLogProbs(model, padding_free=True), prompts, ids, mask, weights,
+                             shared=True)
+    if variant == "lora_checkpointing":
+        assert all("lora" in name for name in packed[1])
+    assert_same(padded, packed)
+
+
+def test_sft_packed_nll_equals_padded(qwen):
+    from train_sft import AssistantNLL
+    from utils.sft_data import encode_sft_batch, vqa_conversation
+
+    path, rows = qwen
+    model, processor = load_model_and_processor(path)
+    rows = [dict(r, answer=r["answer"] + " because" * (3 * i)) for i, r in enumerate(rows)]  # ragged lengths
+    conversations = [vqa_conversation(r) for r in rows]
+    batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
+                             sample_ids=["a", "b"])
+    assert not batch["attention_mask"].bool().all()  # right padding to remove
+
+    def loss_and_grads(padding_free):
+        model.zero_grad()
+        loss = AssistantNLL(model, padding_free=padding_free)(batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_a, grads_a = loss_and_grads(False)
+    loss_b, grads_b = loss_and_grads(True)
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5)
+    for name in grads_a:
+        assert (grads_a[name] - grads_b[name]).abs().max() <= GRAD_TOL * grads_a[name].abs().max().clamp(min=1e-12)
+
+
+def test_unsupported_attention_is_refused_with_the_reason(qwen):
+    path, _ = qwen
+    model, _ = load_model_and_processor(path)
+    assert packing_unsupported_reason(model) is None
+    model.config.get_text_config()._attn_implementation = "flash_attention_2"
+    model.config._attn_implementation = "flash_attention_2"
+    reason = packing_unsupported_reason(model)
+    assert reason and "flash_attention_2" in reason
+    with pytest.raises(ConfigError, match="--padding_free: attention 'flash_attention_2'"):
+        resolve_padding_free(True, model)
+    notices = []
+    assert resolve_padding_free(None, model, notices.append) is False and "flash_attention_2" in notices[0]
+    assert resolve_padding_free(False, model) is False
+
+
+def test_non_prefix_completion_mask_is_an_error(qwen):
+    path, rows = qwen
+    model, processor = load_model_and_processor(path)
+    ids, mask, _ = ragged_completions()
+    mask[0, 2] = 0
+    with pytest.raises(ValueError, match="completion_mask must be ones then zeros"):
+        CompletionLogProbs(model, padding_free=True)(qwen_prompts(processor, rows), ids, mask,
+                                                     prompt_index=PROMPT_INDEX)
