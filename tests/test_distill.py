@@ -174,6 +174,7 @@ def _cfg(questions, out, **overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the fast tier serves the reasoner in the cycle-resume test (test_iterate.py)
 def test_distill_with_a_served_reasoner_writes_what_the_filters_keep(distill_world, reasoner_server, tmp_path):
     from utils.data import load_sharegpt
 
@@ -205,6 +206,7 @@ def test_distill_with_a_served_reasoner_writes_what_the_filters_keep(distill_wor
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the fast tier serves the reasoner in the cycle-resume test (test_iterate.py)
 def test_captions_from_a_served_vlm_and_from_a_local_one(distill_world, reasoner_server, tmp_path):
     from rewards.judge import JudgeClient
     from tests.distill_helpers import train_memorized_captioner
@@ -333,6 +335,7 @@ def test_sigkill_mid_run_then_restart_finishes_every_question_once(distill_world
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the fast tier serves the reasoner in the cycle-resume test (test_iterate.py)
 def test_max_kept_stops_at_exactly_that_many_rows(distill_world, reasoner_server, tmp_path):
     questions, rows, _ = distill_world
     # four questions in flight at a time: those finishing after the third kept row are not written

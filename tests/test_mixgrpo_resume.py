@@ -37,7 +37,7 @@ def run(generator, out, **overrides):
 def test_resume_from_a_checkpoint_matches_uninterrupted_run_bit_for_bit(generator, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     run(generator, full)
-    assert (full / "checkpoint-3" / "reflect_buffer" / "buffer.pt").exists()
+    assert (full / "checkpoint-3" / "reflect_buffer" / "images.pt").exists()
     run(generator, resumed, resume_from_checkpoint=str(full / "checkpoint-3"))
     assert not (resumed / "checkpoint-3").exists()  # it started at step 4
     a = {m["step"]: m for m in read_jsonl(full / "metrics.jsonl") if "loss" in m}

@@ -189,3 +189,22 @@ def test_non_prefix_completion_mask_is_an_error(qwen):
     with pytest.raises(ValueError, match="completion_mask must be ones then zeros"):
         CompletionLogProbs(model, padding_free=True)(qwen_prompts(processor, rows), ids, mask,
                                                      prompt_index=PROMPT_INDEX)
+
+
+def test_packed_equals_padded_with_several_images_per_prompt(tmp_path):
+    """Prompts with two images and one (the 3-row rope reads each prompt's own image grids, in order)."""
+    model, processor = load_model_and_processor(make_tiny_vlm(str(tmp_path / "m"), family="qwen2_5_vl", seed=0))
+    rows = make_shapes_vqa(12, seed=7)
+    ids, mask, weights = ragged_completions()
+    images = [[rows[2 * i]["image"], rows[2 * i + 1]["image"]] if i % 3 else [rows[2 * i]["image"]]
+              for i in range(len(ids))]
+    messages = [build_messages(rows[i]["question"], num_images=len(im)) for i, im in enumerate(images)]
+    prompts = encode_prompts(processor, messages, images, sample_ids=[str(i) for i in range(len(ids))])
+
+    def run(policy):  # one prompt row per completion, as the unshared rollout gives them
+        model.zero_grad()
+        logps = policy(prompts, ids, mask, 0.7)
+        (logps * weights).sum().backward()
+        return (logps.detach(), None), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert_same(run(CompletionLogProbs(model)), run(CompletionLogProbs(model, padding_free=True)))

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from utils.logprobs import expand_prompts
-
 # Tokens per packed row: the dense row mask grows as its square (64 MiB of booleans at 8192).
 MAX_PACKED_TOKENS = 8192
 MASKED_ATTENTION = ("sdpa", "eager")
@@ -161,6 +159,15 @@ def _side_inputs(batch):
     return per_token, rest
 
 
+def _grids_of_rows(grid_thw, mm_token_type_ids, rows):
+    """The image_grid_thw rows of each of `rows`' prompts: a prompt's images are its runs of image tokens (type 1),
+    its grids the next that many rows of grid_thw."""
+    image = (mm_token_type_ids == 1).int()
+    runs = image[:, 0] + (image[:, 1:] > image[:, :-1]).sum(1)
+    chunks = grid_thw.split(runs.tolist())
+    return torch.cat([chunks[i] for i in rows.tolist()])
+
+
 def _mrope_positions(base, input_ids, mm_token_type_ids, attention_mask, rest):
     """The 3-row positions the model gives the padded batch (image tokens included): [3, B, L]."""
     pos, _ = base.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=rest.get("image_grid_thw"),
@@ -190,7 +197,9 @@ def packed_completion_hidden(base, prompts, prompt_index, completion_ids, comple
         full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
         mm = torch.cat([per_token["mm_token_type_ids"][idx],
                         per_token["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
-        grids = expand_prompts({k: v for k, v in rest.items() if k == "image_grid_thw"}, idx)  # one per completion
+        grids = {}
+        if "image_grid_thw" in rest:  # each completion's prompt's image grids, in order (a prompt may hold several)
+            grids["image_grid_thw"] = _grids_of_rows(rest["image_grid_thw"], per_token["mm_token_type_ids"], idx)
         full_pos = _mrope_positions(base, torch.cat([p_ids[idx], completion_ids], 1), mm, full_mask, grids)
     members = [[] for _ in range(p_ids.shape[0])]
     for i, p in enumerate(idx.tolist()):
