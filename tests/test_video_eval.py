@@ -39,6 +39,7 @@ def tiny_path():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_evaluate_on_video_rows_is_deterministic_and_independent_of_batch_size(media, tiny_path, tmp_path):
     import evaluate
     from evaluate import EvalConfig

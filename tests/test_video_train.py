@@ -43,6 +43,7 @@ def _write_jsonl(path, rows):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_train_sft_on_video_rows_lowers_the_loss(media, qwen, tmp_path):
     from train_sft import SFTConfig, main
 
@@ -138,6 +139,7 @@ def test_video_rollout_with_a_shared_prefill_samples_what_the_unshared_one_does(
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_train_grpo_on_video_rows_with_a_reference_model_and_video_evaluation(media, qwen, tmp_path):
     from accelerate.state import AcceleratorState, GradientState
 
