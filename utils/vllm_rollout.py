@@ -1,22 +1,16 @@
 """Rollouts with vLLM running in the training process (colocate mode), fed and masked like the HF path.
 
-Each process runs its own engine (tensor parallel 1, `external_launcher`) on its own GPU, next to the policy.
-What the engine sees is what training scores: the trainer's own prompt token ids (image placeholders already
-expanded by the trainer's processor; vLLM gets the same pixel budget and the echoed ids are checked), the same
-stop ids, the same suppressed tokens (image placeholders, role markers), the same temperature / top-p / top-k,
-one seed per completion (a completion does not depend on how requests were batched).
+Each process runs its own engine (tensor parallel 1, `external_launcher`) on its own GPU, next to the policy. The
+engine sees what training scores: the trainer's own prompt token ids (placeholders expanded by the trainer's
+processor; same pixel budget, echoed ids checked), the same stop and suppressed ids, the same sampling flags,
+one seed per completion (a completion does not depend on how requests were batched). vLLM's log-prob of each
+sampled token (`logprobs_mode="processed_logprobs"`) comes back with it; its gap to the trainer's is logged and
+truncated importance sampling corrects it (`importance_weights`, TRL's `vllm_importance_sampling_*`): token t's
+policy loss is multiplied by min(pi_train(t) / pi_vllm(t), cap).
 
-vLLM's log-prob of each sampled token (after temperature: `logprobs_mode="processed_logprobs"`) comes back
-with the completion. Its gap to the trainer's log-prob is logged, and truncated importance sampling corrects
-it (`importance_weights`, as TRL's `vllm_importance_sampling_*`): the policy loss of token t is multiplied by
-min(pi_train(t) / pi_vllm(t), cap).
-
-Weights go to the engine one parameter at a time (under ZeRO-3 only that parameter is gathered); LoRA layers
-are merged one layer at a time into a temporary (the policy's own weights are never modified, and no second
-copy of the model exists). Frozen weights are never sent: the engine loaded them from the same checkpoint.
-
-Flags are read from the config with defaults (`getattr(cfg, name, default)`), so any script's config works.
-Install with `pip install -r requirements-vllm.txt` (docs/distributed.md).
+Weights go to the engine one parameter at a time (only that one gathered under ZeRO-3), LoRA merged one layer at a
+time into a temporary; frozen weights are never sent. Flags have defaults (`getattr(cfg, name, default)`), so any
+script's config works. Install: `pip install -r requirements-vllm.txt` (docs/distributed.md).
 """
 
 import contextlib
