@@ -32,7 +32,7 @@ import torch
 from tiny.cache import TINY_DATASET, shapes_dataset_path
 from utils.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.config import choice, config_to_dict, parse_config
-from utils.data import load_vqa, render_question
+from utils.data import load_vqa, render_question, videos_of
 from utils.errors import exit_on_bad_input
 from utils.evaluation import generate_answers, generate_answers_remote
 from utils.keywords import compare_keywords, keyword_frequencies, load_texts
@@ -48,6 +48,7 @@ from utils.scoring import (
     parse_completion,
     resolve_embedding_model,
 )
+from utils.video import budget_from_config, check_config_video_flags, video_flag
 
 METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
@@ -66,10 +67,16 @@ class EvalConfig:
     max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
     min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
     max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
+    fps: Optional[float] = video_flag("fps")
+    max_frames: Optional[int] = video_flag("max_frames")
+    video_max_pixels: Optional[int] = video_flag("video_max_pixels")
+    video_min_pixels: Optional[int] = video_flag("video_min_pixels")
+    video_total_pixels: Optional[int] = video_flag("video_total_pixels")
     # data
     dataset: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file"})
     split: str = "test"  # split of --dataset
     image_column: str = "image"  # column with the image(s)
+    video_column: str = "video"  # column with the video(s), when present (docs/data.md)
     question_column: str = "question"  # column with the question text
     answer_column: str = "answer"  # column with the ground-truth answer
     steps_column: str = "reference_steps"  # column with the reference steps (needed by --metrics crystal)
@@ -146,6 +153,7 @@ def validate(cfg):
         raise ValueError(f"--alpha must be in [0, 1], got {cfg.alpha}")
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
         raise ValueError("--batch_size and --max_new_tokens must be >= 1")
+    check_config_video_flags(cfg)
 
 
 def load_rows(cfg):
@@ -157,7 +165,7 @@ def load_rows(cfg):
     dataset = load_vqa(path, split=cfg.split, image_column=cfg.image_column, question_column=cfg.question_column,
                        answer_column=cfg.answer_column, steps_column=cfg.steps_column,
                        choices_column=cfg.choices_column, id_column=cfg.id_column,
-                       require_steps="crystal" in cfg.metrics)
+                       require_steps="crystal" in cfg.metrics, video_column=cfg.video_column)
     n = min(len(dataset), cfg.max_samples or len(dataset))
     return [dataset[i] for i in range(n)]
 
@@ -175,9 +183,11 @@ def generate(cfg, model_path, rows):
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
                                                 max_anyres_num=cfg.max_anyres_num)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
+    budget = budget_from_config(processor, cfg) if any(videos_of(r) for r in rows) else None
     return generate_answers(model, processor, rows, prompt_template=cfg.prompt_template,
                             system_prompt=cfg.system_prompt, batch_size=cfg.batch_size,
-                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                            video_budget=budget)
 
 
 def score(cfg, rows, texts, output_dir):

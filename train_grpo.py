@@ -27,7 +27,7 @@ from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
-from utils.data import images_of, load_vqa
+from utils.data import images_of, load_vqa, videos_of
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, weighted_rewards
@@ -52,6 +52,7 @@ from utils.rollout import (
 )
 from utils.samplers import CurriculumSampler
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag
 from utils.vllm_rollout import (
     IS_MODES,
     VLLMRollout,
@@ -89,11 +90,17 @@ class GRPOConfig:
     max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
     min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
     max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
+    fps: Optional[float] = video_flag("fps")
+    max_frames: Optional[int] = video_flag("max_frames")
+    video_max_pixels: Optional[int] = video_flag("video_max_pixels")
+    video_min_pixels: Optional[int] = video_flag("video_min_pixels")
+    video_total_pixels: Optional[int] = video_flag("video_total_pixels")
     # data
     dataset_name: str = field(default=TINY_DATASET, metadata={
         "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
     dataset_split: str = "train"  # split of --dataset_name to train on
     image_column: Optional[str] = field(default="image", metadata={"help": "'none' for text-only data"})
+    video_column: str = "video"  # column with each row's video(s), when present (docs/data.md)
     question_column: str = "question"  # column with the question text
     answer_column: str = "answer"  # column with the ground-truth answer
     steps_column: str = "reference_steps"  # column with the reference reasoning steps (needed by cpr, reasoning, spr)
@@ -210,6 +217,7 @@ def validate(cfg, num_processes, distributed_type="NO"):
          f"multiple of --num_generations {G}")
     need(cfg.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be >= 1")
     need(cfg.num_iterations >= 1, "--num_iterations must be >= 1")
+    check_config_video_flags(cfg)
     need(cfg.max_completion_length >= 1, "--max_completion_length must be >= 1")
     need(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1, "--max_prompt_length must be >= 1 or none")
     need(cfg.temperature > 0, "--temperature must be > 0 for GRPO sampling")
@@ -308,7 +316,8 @@ def main(cfg: GRPOConfig):
     needs_steps = any(name in ("cpr", "reasoning", "spr") for name in cfg.reward_funcs)
     dataset = load_vqa(dataset_path, split=cfg.dataset_split, image_column=cfg.image_column,
                        question_column=cfg.question_column, answer_column=cfg.answer_column,
-                       steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=needs_steps)
+                       steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=needs_steps,
+                       video_column=cfg.video_column)
     reward_fns = build_rewards(cfg, dataset.column_names)
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
     eval_set = load_eval_set(cfg, accelerator)
@@ -350,8 +359,10 @@ def main(cfg: GRPOConfig):
     if ref_policy is not None and cfg.disable_dropout:
         disable_dropout(ref_policy)
     # one colocated engine per process, fed the trainer's prompt ids and pixel budget (docs/distributed.md)
-    vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config)
-            if cfg.use_vllm else None)
+    max_videos = max((len(v) for v in dataset["videos"]), default=0) if "videos" in dataset.column_names else 0
+    video_budget = budget_from_config(processor, cfg) if max_videos else None  # a model without video fails here
+    vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config,
+                        max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 
@@ -689,16 +700,19 @@ def encode_rows(policy, processor, rows, cfg, accelerator, *, keys, sample_ids):
     in training: `prompt_batch` then has one row per prompt and `prompt_index` maps completions to prompts
     (None otherwise)."""
     messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
-                               template=cfg.prompt_template, system_prompt=cfg.system_prompt) for r in rows]
+                               template=cfg.prompt_template, system_prompt=cfg.system_prompt,
+                               num_videos=len(videos_of(r))) for r in rows]
     unique = sorted(set(keys), key=keys.index)
     first = [keys.index(k) for k in unique]
-    if can_share_prompts(accelerator.unwrap_model(policy).model, [len(images_of(rows[j])) for j in first]):
+    clips = row_clips(processor, rows, cfg)
+    if can_share_prompts(accelerator.unwrap_model(policy).model, [len(images_of(rows[j])) for j in first],
+                         [len(clips[j]) for j in first]):
         prompt_index = torch.tensor([unique.index(k) for k in keys], device=accelerator.device)
     else:
         prompt_index, first = None, list(range(len(rows)))
     prompt_batch = encode_prompts(processor, [messages[j] for j in first], [images_of(rows[j]) for j in first],
-                                  sample_ids=[sample_ids[j] for j in first],
-                                  max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
+                                  sample_ids=[sample_ids[j] for j in first], max_prompt_length=cfg.max_prompt_length,
+                                  videos=[clips[j] for j in first]).to(accelerator.device)
     return messages, prompt_batch, prompt_index
 
 
@@ -714,7 +728,8 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
     if vllm is not None:  # the same prompt ids (shared rows too); vLLM's log-probs of the sampled tokens come back
         completion_ids, completion_mask, sampler_logps = vllm.generate(
             policy, processor, messages, [images_of(r) for r in rows], seeds, step=step, stop_ids=stop_ids,
-            suppress_ids=suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True)
+            suppress_ids=suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True,
+            videos=row_clips(processor, rows, cfg))
     else:
         with unwrap_for_generation(policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
             completion_ids, completion_mask = generate_completions(

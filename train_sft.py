@@ -27,7 +27,7 @@ from kernels import fused_token_logprobs
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import choice, config_to_dict, parse_config, save_config
-from utils.data import load_sharegpt, load_vqa
+from utils.data import load_sharegpt, load_vqa, videos_of
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
@@ -40,6 +40,7 @@ from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.video import budget_from_config, check_config_video_flags, video_flag
 from utils.zero3 import clear_stale_zero3_gradients
 
 
@@ -66,6 +67,11 @@ class SFTConfig:
     max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
     min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
     max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
+    fps: Optional[float] = video_flag("fps")
+    max_frames: Optional[int] = video_flag("max_frames")
+    video_max_pixels: Optional[int] = video_flag("video_max_pixels")
+    video_min_pixels: Optional[int] = video_flag("video_min_pixels")
+    video_total_pixels: Optional[int] = video_flag("video_total_pixels")
     # data
     dataset_name: str = field(default=TINY_DATASET, metadata={
         "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
@@ -84,6 +90,8 @@ class SFTConfig:
     choices_column: Optional[str] = None  # column with answer options; none: 'choices' or 'options' when present
     messages_column: str = "messages"  # column with the conversation (sharegpt rows)
     images_column: str = "images"  # column with the image list (sharegpt rows)
+    video_column: str = "video"  # column with the video(s) of crystal rows, when present (docs/data.md)
+    videos_column: str = "videos"  # column with the video list of sharegpt rows, when present
     max_length: int = 1024  # max tokens per conversation; only its last assistant turn may be cut
     # optimisation
     learning_rate: float = 2e-5  # AdamW peak learning rate
@@ -135,6 +143,7 @@ def validate(cfg):
         raise ValueError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ValueError("set --max_steps or a positive --num_train_epochs")
+    check_config_video_flags(cfg)
 
 
 class AssistantNLL(CompletionLogProbs):
@@ -161,9 +170,10 @@ class AssistantNLL(CompletionLogProbs):
 def load_train_rows(cfg, path):
     if cfg.dataset_format == "sharegpt":
         return load_sharegpt(path, split=cfg.dataset_split, messages_column=cfg.messages_column,
-                             images_column=cfg.images_column)
+                             images_column=cfg.images_column, videos_column=cfg.videos_column)
     return load_vqa(path, split=cfg.dataset_split, image_column=cfg.image_column, question_column=cfg.question_column,
-                    answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column)
+                    answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
+                    video_column=cfg.video_column)
 
 
 def conversation(cfg, row):
@@ -199,6 +209,8 @@ def main(cfg: SFTConfig):
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     if cfg.freeze_multi_modal_projector:
         freeze_vision_tower(model, include_projector=True)
+    # frames sampled and sized the same way at every step and in every process (utils/video.py)
+    video_budget = budget_from_config(processor, cfg) if "videos" in dataset.column_names else None
     model = prepare_for_training(model, cfg)
     policy = AssistantNLL(model, padding_free=resolve_padding_free(cfg.padding_free, model, accelerator.print))
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
@@ -250,7 +262,8 @@ def main(cfg: SFTConfig):
             conversations = [conversation(cfg, r) for r in rows]
             ids = [str(r.get("id", i)) for r, i in zip(rows, indices)]
             batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
-                                     sample_ids=ids, max_length=cfg.max_length)
+                                     sample_ids=ids, max_length=cfg.max_length,
+                                     videos=[videos_of(r) for r in rows], video_budget=video_budget)
             micro_batches.append(batch.to(accelerator.device))
         # The loss is a mean over the assistant tokens of the whole step, on all processes.
         local_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro_batches)

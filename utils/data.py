@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from utils.errors import InputError
+from utils.video import FRAME_EXTENSIONS, VIDEO_MARKER, VideoError, probe
 
 STANDARD_VQA_COLUMNS = ("id", "image", "question", "answer", "reference_steps", "choices", "difficulty", "source")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -204,14 +205,7 @@ def _missing_stored(array) -> list[bool]:
 
 def _check_path(source: _Source, row: int, column: str, value, check) -> str:
     """An absolute path for an image path cell, after checking it exists (and opens)."""
-    if not isinstance(value, str) or not value.strip():
-        source.fail(row, column, f"expected an image path, got {value!r}")
-    path = os.path.expanduser(value)
-    if not os.path.isabs(path):
-        base = source.base_for(row)
-        if base is None:
-            source.fail(row, column, f"relative image path '{value}' cannot be resolved for a hub dataset")
-        path = os.path.join(base, path)
+    path = _resolve(source, row, column, value, "image")
     if check and not os.path.isfile(path):
         source.fail(row, column, f"image file not found: '{path}'")
     if check is True:
@@ -275,6 +269,66 @@ def _image_cells(table, source, column, check, *, many: bool) -> tuple[list | No
         cells_out.append(resolved if many else resolved[0])
         counts.append(len(resolved))
     return cells_out, counts
+
+
+def _resolve(source: _Source, row: int, column: str, value, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        source.fail(row, column, f"expected {'an' if what[0] in 'aeiou' else 'a'} {what} path, got {value!r}")
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path):
+        base = source.base_for(row)
+        if base is None:
+            source.fail(row, column, f"relative {what} path '{value}' cannot be resolved for a hub dataset")
+        path = os.path.join(base, path)
+    return path
+
+
+def _is_frame_list(value) -> bool:
+    """A list of frame image paths (one video) rather than a list of videos."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(v, str) and v.lower().endswith(FRAME_EXTENSIONS) for v in value))
+
+
+def _video_cells(table, source, column, check, *, many: bool) -> tuple[list, list[int]]:
+    """Validate a video column; returns (cells, counts). A cell holds one video or (many=True) a list of videos;
+    a video is a file path, a folder of frames or a list of frame paths. Each video becomes a list of absolute
+    paths ([file] or [folder] or the frames); with check=True each is probed (a file decodes a frame, a folder
+    holds frames, every frame exists), with "exists" only paths are checked."""
+    cells, counts = [], []
+    for row, value in enumerate(table[column]):
+        if value is None or value == []:
+            videos = []
+        elif isinstance(value, str) or _is_frame_list(value):
+            videos = [value]
+        elif many and isinstance(value, list):
+            videos = value
+        else:
+            source.fail(row, column, f"expected a video path, a frame folder or a list of frame paths, got {value!r}")
+        resolved = []
+        for video in videos:
+            paths = [_resolve(source, row, column, v, "video") for v in (video if isinstance(video, list) else [video])]
+            try:
+                if check is True:
+                    probe(paths if isinstance(video, list) else paths[0])
+                elif check:
+                    for path in paths:
+                        if not os.path.exists(path):
+                            raise VideoError(f"video file not found: '{path}'")
+            except VideoError as error:
+                source.fail(row, column, str(error))
+            resolved.append(paths)
+        cells.append(resolved)
+        counts.append(len(resolved))
+    return cells, counts
+
+
+VIDEOS_FEATURE = datasets.List(datasets.List(datasets.Value("string")))
+
+
+def videos_of(row) -> list:
+    """A row's videos (column 'videos' of the loaders): each a file or folder path, or a list of frame paths."""
+    return [paths[0] if len(paths) == 1 and not paths[0].lower().endswith(FRAME_EXTENSIONS) else list(paths)
+            for paths in (row.get("videos") or [])]
 
 
 def _text(source: _Source, row: int, column: str, value, *, allow_empty: bool = False) -> str:
@@ -363,7 +417,7 @@ def _replace_columns(table: datasets.Dataset, new: dict[str, list], features: di
 def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image", question_column: str = "question",
              answer_column: str = "answer", steps_column: str = "reference_steps", choices_column: str | None = None,
              id_column: str | None = None, difficulty_column: str = "difficulty", source_column: str = "source",
-             require_steps: bool = True, check_images=True) -> datasets.Dataset:
+             require_steps: bool = True, check_images=True, video_column: str | None = "video") -> datasets.Dataset:
     """CRYSTAL-style VQA rows with the standard columns id (id_column, else 'id', else the row index),
     image (Image feature), question, answer, reference_steps (list[str]; [] when the column is absent
     and not required), choices (list[str] or None), difficulty, source (None when absent), followed
@@ -371,9 +425,15 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
 
     choices_column=None reads 'choices' and 'options' when present, row by row: a row's non-empty 'choices', else
     its 'options' (the CRYSTAL data set has both columns, and its scripts read them so). Steps given as a JSON string
-    or as one step per line are accepted. Images may be stored images or paths (see module doc)."""
+    or as one step per line are accepted. Images may be stored images or paths (see module doc).
+
+    Videos: `video_column` (when present) holds per row a video, a list of videos or nothing; a video is a file,
+    a folder of frames or a list of frame paths (utils.video). They become column 'videos' (see `videos_of`),
+    each probed like an image path (check_images)."""
     table, source = _open(name_or_path, split)
     required = {question_column: "--question_column", answer_column: "--answer_column"}
+    if image_column == "image" and "image" not in table.column_names and video_column in table.column_names:
+        image_column = None  # a video-only set needs no --image_column none
     if image_column is not None:  # None: a text-only data set (for text LLMs)
         required[image_column] = "--image_column"
     if require_steps:
@@ -392,6 +452,7 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
         kind = _image_feature_kind(table.features[image_column])
         many = kind == "images" or (kind == "other" and any(isinstance(v, list) for v in table[image_column]))
         images, _ = _image_cells(table, source, image_column, check_images, many=many)
+    videos = _videos_column(table, source, video_column, "video", check_images, "--video_column")
     columns = table.column_names
     questions = [_text(source, i, question_column, v) for i, v in enumerate(table[question_column])]
     answers = [_text(source, i, answer_column, v) for i, v in enumerate(table[answer_column])]
@@ -423,6 +484,9 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
                 "source": datasets.Value("string")}
     drop = [c for c in (question_column, answer_column, steps_column, *choice_columns, id_column,
                         difficulty_column, source_column) if c]
+    if videos is not None:
+        new["videos"], features["videos"] = videos, VIDEOS_FEATURE
+        drop.append(video_column)
     if images is not None:  # paths, or a one-image list: rewrite as one Image column
         new = {"image": images, **new}
         features["image"] = datasets.List(datasets.Image()) if many else datasets.Image()
@@ -460,21 +524,33 @@ def _messages(source: _Source, row: int, column: str, value) -> list[dict]:
     return messages
 
 
-def _check_markers(source, row, text_column, images_column, texts: list[str], n_images: int) -> None:
-    markers = sum(text.count(IMAGE_MARKER) for text in texts)
+def _check_markers(source, row, text_column, images_column, texts: list[str], n_images: int,
+                   marker: str = IMAGE_MARKER) -> None:
+    markers = sum(text.count(marker) for text in texts)
     if markers != n_images:
-        source.fail(row, text_column, f"{markers} '{IMAGE_MARKER}' marker(s) but {n_images} image(s) "
+        what = "video" if marker == VIDEO_MARKER else "image"
+        source.fail(row, text_column, f"{markers} '{marker}' marker(s) but {n_images} {what}(s) "
                                       f"in column '{images_column}'")
 
 
+def _videos_column(table, source, column, default, check, flag) -> list | None:
+    """Validated video cells of `column` (None when it is the default name and absent: rows without video)."""
+    if column is None or (column == default and column not in table.column_names):
+        return None
+    _require_columns(table, source, {column: flag})
+    return _video_cells(table, source, column, check, many=True)[0]
+
+
 def load_sharegpt(name_or_path, *, split: str = "train", messages_column: str = "messages",
-                  images_column: str = "images", check_images=True) -> datasets.Dataset:
+                  images_column: str = "images", check_images=True, videos_column: str = "videos") -> datasets.Dataset:
     """LLaMA-Factory/OpenVLThinker sharegpt SFT rows -> columns messages (list of {role, content};
     'from'/'value' and human/gpt are accepted and renamed), images (list of Image; [] without an images
     column), then any other columns. The number of '<image>' markers over a row's messages must equal
-    its number of images."""
+    its number of images; likewise '<video>' markers and the videos of `videos_column` (LLaMA-Factory's
+    convention; a video is a file, a frame folder or a list of frame paths), which become column 'videos'."""
     table, source = _open(name_or_path, split)
     _require_columns(table, source, {messages_column: "--messages_column"})
+    videos = _videos_column(table, source, videos_column, "videos", check_images, "--videos_column")
     if images_column in table.column_names:
         images, counts = _image_cells(table, source, images_column, check_images, many=True)
     else:  # text-only rows
@@ -483,11 +559,16 @@ def load_sharegpt(name_or_path, *, split: str = "train", messages_column: str = 
     for row, value in enumerate(table[messages_column]):
         turns = _messages(source, row, messages_column, value)
         _check_markers(source, row, messages_column, images_column, [m["content"] for m in turns], counts[row])
+        _check_markers(source, row, messages_column, videos_column, [m["content"] for m in turns],
+                       len(videos[row]) if videos is not None else 0, VIDEO_MARKER)
         messages.append(turns)
     message_feature = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
     new = {"messages": messages}
     features = {"messages": message_feature, "images": datasets.List(datasets.Image())}
     drop = [messages_column]
+    if videos is not None:
+        new["videos"], features["videos"] = videos, VIDEOS_FEATURE
+        drop.append(videos_column)
     if images is not None:
         new["images"] = images
         drop.append(images_column)
@@ -500,25 +581,32 @@ def load_sharegpt(name_or_path, *, split: str = "train", messages_column: str = 
 
 
 def load_rl_rows(name_or_path, *, split: str = "train", images_column: str = "images", problem_column: str = "problem",
-                 answer_column: str = "answer", check_images=True) -> datasets.Dataset:
+                 answer_column: str = "answer", check_images=True, videos_column: str = "videos") -> datasets.Dataset:
     """OpenVLThinker RL rows -> columns images (list of Image; a single image or path is wrapped),
     problem, answer (text), then any other columns. When a problem contains '<image>' markers their
-    number must equal its number of images."""
+    number must equal its number of images; likewise '<video>' markers and `videos_column` (-> 'videos')."""
     table, source = _open(name_or_path, split)
     _require_columns(table, source, {images_column: "--images_column", problem_column: "--problem_column",
                                      answer_column: "--answer_column"})
     images, counts = _image_cells(table, source, images_column, check_images, many=True)
+    videos = _videos_column(table, source, videos_column, "videos", check_images, "--videos_column")
     problems = []
     for row, value in enumerate(table[problem_column]):
         problem = _text(source, row, problem_column, value)
         if IMAGE_MARKER in problem:
             _check_markers(source, row, problem_column, images_column, [problem], counts[row])
+        if VIDEO_MARKER in problem or videos is not None and "<image>" in problem:
+            _check_markers(source, row, problem_column, videos_column, [problem],
+                           len(videos[row]) if videos is not None else 0, VIDEO_MARKER)
         problems.append(problem)
     answers = [_text(source, row, answer_column, value) for row, value in enumerate(table[answer_column])]
     new = {"problem": problems, "answer": answers}
     features = {"problem": datasets.Value("string"), "answer": datasets.Value("string"),
                 "images": datasets.List(datasets.Image())}
     drop = [problem_column, answer_column]
+    if videos is not None:
+        new["videos"], features["videos"] = videos, VIDEOS_FEATURE
+        drop.append(videos_column)
     if images is not None:
         new = {"images": images, **new}
         drop.append(images_column)

@@ -11,22 +11,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from utils.data import images_of, render_question
+from utils.data import images_of, render_question, videos_of
 from utils.prompts import build_messages
 from utils.rollout import completion_seeds, encode_prompts, generate_completions, stop_token_ids
 from utils.scoring import AnswerGrader, group_means, parse_completion, reasoning_states_answer
+from utils.video import budget_for, load_clips
 
 
 def row_messages(row, *, prompt_template, system_prompt=None):
     """Chat messages of a VQA row as the train scripts build them."""
     return build_messages(row["question"], num_images=len(images_of(row)), choices=row.get("choices"),
-                          template=prompt_template, system_prompt=system_prompt)
+                          template=prompt_template, system_prompt=system_prompt, num_videos=len(videos_of(row)))
 
 
 @torch.no_grad()
 def generate_answers(model, processor, rows, *, prompt_template, system_prompt=None, batch_size=32,
-                     max_new_tokens=256, temperature=0.0, seed=0, max_prompt_length=None, accelerator=None):
-    """Completions (text) for `rows` (dicts with question, image, choices, id), in row order.
+                     max_new_tokens=256, temperature=0.0, seed=0, max_prompt_length=None, accelerator=None,
+                     video_budget=None):
+    """Completions (text) for `rows` (dicts with question, image, choices, id, videos), in row order. Videos are
+    sampled under `video_budget` (utils.video; none: the model's video processor defaults), as in training.
 
     With an `accelerator`, each process generates rows rank::world and the texts are gathered, so every
     process returns all of them (the model must be the plain HF model, see utils.rollout.unwrap_for_generation).
@@ -46,8 +49,10 @@ def generate_answers(model, processor, rows, *, prompt_template, system_prompt=N
         batch_rows = [rows[i] for i in indices]
         ids = [str(r.get("id", i)) for r, i in zip(batch_rows, indices)]
         messages = [row_messages(r, prompt_template=prompt_template, system_prompt=system_prompt) for r in batch_rows]
+        videos = [videos_of(r) for r in batch_rows]
+        clips = load_clips(videos, video_budget or budget_for(processor)) if any(videos) else None
         batch = encode_prompts(processor, messages, [images_of(r) for r in batch_rows], sample_ids=ids,
-                               max_prompt_length=max_prompt_length).to(device)
+                               max_prompt_length=max_prompt_length, videos=clips).to(device)
         completion, mask = generate_completions(
             model, batch, row_seeds=completion_seeds(seed, 0, indices), max_new_tokens=max_new_tokens,
             temperature=temperature, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
@@ -73,6 +78,9 @@ def generate_answers_remote(base_url, model_name, rows, *, prompt_template, syst
     headers = {"Authorization": f"Bearer {api_key or 'EMPTY'}"}
 
     def payload(index, row):
+        if videos_of(row):
+            raise ValueError(f"row {row.get('id', index)!r} has videos: evaluate video rows with a local --model "
+                             "(the frames a server samples are its own)")
         messages = []
         for message in row_messages(row, prompt_template=prompt_template, system_prompt=system_prompt):
             images = iter(images_of(row))
@@ -96,7 +104,8 @@ def generate_answers_remote(base_url, model_name, rows, *, prompt_template, syst
 
 
 def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=32, max_new_tokens=128,
-                     system_prompt=None, max_samples=None, accelerator=None, group_by=("difficulty",)):
+                     system_prompt=None, max_samples=None, accelerator=None, group_by=("difficulty",),
+                     video_budget=None):
     """Greedy held-out accuracy of a VQA set: {"accuracy", "format", "samples", "accuracy/<group>=<value>" ...}.
 
     `format` is the fraction of completions with a parsed answer. Used by train_sft.py / train_grpo.py
@@ -104,7 +113,8 @@ def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=3
     """
     rows = [dataset[i] for i in range(min(len(dataset), max_samples or len(dataset)))]
     texts = generate_answers(model, processor, rows, prompt_template=prompt_template, system_prompt=system_prompt,
-                             batch_size=batch_size, max_new_tokens=max_new_tokens, accelerator=accelerator)
+                             batch_size=batch_size, max_new_tokens=max_new_tokens, accelerator=accelerator,
+                             video_budget=video_budget)
     grade = AnswerGrader()
     correct, answered, agrees = [], [], []
     for row, text in zip(rows, texts):
@@ -132,15 +142,17 @@ def load_eval_set(cfg, accelerator):
         path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
     return load_vqa(path, split=cfg.eval_split, image_column=cfg.image_column, question_column=cfg.question_column,
                     answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
-                    require_steps=False)
+                    require_steps=False, video_column=getattr(cfg, "video_column", "video"))
 
 
 def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template):
     """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes."""
     from utils.rollout import unwrap_for_generation
+    from utils.video import budget_from_config
 
+    budget = budget_from_config(processor, cfg) if "videos" in eval_set.column_names else None
     with unwrap_for_generation(policy, accelerator) as unwrapped:
         return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=prompt_template,
                                 system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
                                 max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
-                                accelerator=accelerator)
+                                accelerator=accelerator, video_budget=budget)

@@ -108,7 +108,8 @@ class CompletionLogProbs(nn.Module):
             full = expand_prompts(prompts, idx)
             mm = torch.cat([full["mm_token_type_ids"], full["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
             pos, _ = base.get_rope_index(torch.cat([full["input_ids"], completion_ids], 1), mm,
-                                         image_grid_thw=full.get("image_grid_thw"), attention_mask=full_mask)
+                                         image_grid_thw=full.get("image_grid_thw"), attention_mask=full_mask,
+                                         **{k: full[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in full})
             first = torch.stack([(idx == p).nonzero()[0, 0] for p in range(p_ids.shape[0])])
             prefix_pos, completion_pos = pos[:, first, :lp], pos[:, :, lp:]
         cache = DynamicCache(config=core.config)
@@ -131,22 +132,27 @@ class CompletionLogProbs(nn.Module):
 SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "gemma3", "idefics3", "llava_onevision")
 
 
-def can_share_prompts(model, images_per_prompt):
+def can_share_prompts(model, images_per_prompt, videos_per_prompt=None):
     """Whether a group's completions can share one prompt pass: text-only models, and the SHARED_PROMPT_FAMILIES
-    with one image per prompt."""
+    with one image per prompt; with videos (Qwen2-VL / Qwen2.5-VL), one video per prompt and one image per prompt
+    or none (pixel_values_videos split by video_grid_thw)."""
     config = hf_core(model).config
+    if videos_per_prompt is not None and any(videos_per_prompt):
+        return (config.model_type in ("qwen2_vl", "qwen2_5_vl") and all(n == 1 for n in videos_per_prompt)
+                and len(set(images_per_prompt)) == 1 and images_per_prompt[0] in (0, 1))
     if all(n == 0 for n in images_per_prompt):
         return not hasattr(config, "vision_config")
     return config.model_type in SHARED_PROMPT_FAMILIES and all(n == 1 for n in images_per_prompt)
 
 
 def expand_prompts(prompts, prompt_index):
-    """The per-completion prompt batch from unique prompts (one image per prompt when there are images)."""
+    """The per-completion prompt batch from unique prompts (one image / video per prompt when there are any)."""
     idx = torch.as_tensor(prompt_index)
     out = {}
     for key, value in prompts.items():
-        if key == "pixel_values" and "image_grid_thw" in prompts:
-            chunks = value.split(prompts["image_grid_thw"].prod(-1).tolist())
+        grid = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}.get(key)
+        if grid in prompts:
+            chunks = value.split(prompts[grid].prod(-1).tolist())
             out[key] = torch.cat([chunks[i] for i in idx.tolist()])
         elif torch.is_tensor(value):
             out[key] = value[idx.to(value.device)]

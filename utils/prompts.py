@@ -30,15 +30,16 @@ SYSTEM_PROMPTS = {"crystal_json": CRYSTAL_JSON_SYSTEM, "think_answer": THINK_ANS
 PROMPT_TEMPLATES = tuple(SYSTEM_PROMPTS)
 
 
-def build_messages(question, *, num_images=1, choices=None, template="crystal_json", system_prompt=None):
-    """Chat messages for one sample: optional system turn, then images followed by the question.
+def build_messages(question, *, num_images=1, choices=None, template="crystal_json", system_prompt=None,
+                   num_videos=0):
+    """Chat messages for one sample: optional system turn, then videos and images followed by the question.
 
     `system_prompt` overrides the template's own; `plain` has none (question and images only).
     """
     if template not in SYSTEM_PROMPTS:
         raise ValueError(f"--prompt_template {template!r} is not one of {list(SYSTEM_PROMPTS)}")
     system = system_prompt if system_prompt is not None else SYSTEM_PROMPTS[template]
-    content = [{"type": "image"} for _ in range(num_images)]
+    content = [{"type": "video"} for _ in range(num_videos)] + [{"type": "image"} for _ in range(num_images)]
     content.append({"type": "text", "text": render_question(question, choices)})
     messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
     messages.append({"role": "user", "content": content})

@@ -15,6 +15,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from utils.errors import ImageTokenError, InputError
+from utils.video import check_video_tokens, processor_video_kwargs
 
 # Chat templates end an assistant turn with one of these; generation must stop there too.
 END_OF_TURN_TOKENS = ("<|im_end|>",)
@@ -101,13 +102,15 @@ class GumbelSampler(LogitsProcessor):
         return scores + self.gumbel(step, scores.shape[-1], scores.device)
 
 
-def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length=None):
+def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length=None, videos=None):
     """Chat-template and tokenize a batch of prompts (left padding), images included.
 
-    `images` is a list (one per sample) of lists of PIL images, possibly empty. Errors name the
-    sample id: a prompt over `max_prompt_length` tokens, or images that do not match the image
-    placeholders, is never silently truncated or dropped.
+    `images` is a list (one per sample) of lists of PIL images, possibly empty; `videos` likewise of
+    `utils.video.Clip`s (already sampled and sized). Errors name the sample id: a prompt over
+    `max_prompt_length` tokens, or images (videos) that do not match the image (video) placeholders,
+    is never silently truncated or dropped.
     """
+
     tokenizer = getattr(processor, "tokenizer", processor)
     texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
     has_images = any(len(imgs) for imgs in images)
@@ -116,16 +119,21 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
         if tokenizer is processor:
             raise InputError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
         kwargs["images"] = [list(imgs) for imgs in images]
+    has_videos = bool(videos) and any(videos)
+    if has_videos:
+        kwargs.update(processor_video_kwargs([clip for clips in videos for clip in clips]))
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
         batch = processor(**kwargs)
     except (ValueError, IndexError, RuntimeError) as err:
-        raise_for_sample(processor, sample_ids, texts, images, err)
+        raise_for_sample(processor, sample_ids, texts, images, err, videos=videos)
     finally:
         tokenizer.padding_side = previous_side
     if has_images:
         check_image_tokens(processor, batch["input_ids"], images, sample_ids)
+    if has_videos:
+        check_video_tokens(processor, batch["input_ids"], batch.get("video_grid_thw"), videos, sample_ids)
     if max_prompt_length:
         lengths = batch["attention_mask"].sum(-1)
         for sid, length in zip(sample_ids, lengths.tolist()):
@@ -137,12 +145,14 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
     return batch
 
 
-def raise_for_sample(processor, sample_ids, texts, images, err):
+def raise_for_sample(processor, sample_ids, texts, images, err, videos=None):
     """A batch failed in the processor: re-run it sample by sample and raise an error naming the sample at
-    fault (image placeholders that do not match the images), or re-raise `err` if none fails alone."""
-    for sid, text, imgs in zip(sample_ids, texts, images):
+    fault (image or video placeholders that do not match the images or videos), or re-raise `err` if none
+    fails alone."""
+    for k, (sid, text, imgs) in enumerate(zip(sample_ids, texts, images)):
         try:
-            processor(text=[text], **({"images": [list(imgs)]} if imgs else {}))
+            processor(text=[text], **({"images": [list(imgs)]} if imgs else {}),
+                      **processor_video_kwargs(videos[k] if videos else []))
         except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
             raise InputError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
     raise err

@@ -19,12 +19,14 @@ image placeholders the processor expanded.
 from __future__ import annotations
 
 import bisect
+import re
 
 import torch
 
-from utils.data import IMAGE_MARKER, images_of
+from utils.data import IMAGE_MARKER, images_of, videos_of
 from utils.prompts import RESPONSE_TEMPLATES, build_messages
 from utils.rollout import check_image_tokens, raise_for_sample
+from utils.video import VIDEO_MARKER, check_video_tokens, load_clips, processor_video_kwargs
 
 IGNORE_INDEX = -100
 
@@ -40,24 +42,23 @@ def vqa_conversation(row, *, response_template="crystal_json", prompt_template=N
         raise ValueError(f"--response_template {response_template!r} is not one of {list(RESPONSE_TEMPLATES)}")
     images = images_of(row)
     messages = build_messages(row["question"], num_images=len(images), choices=row.get("choices"),
-                              template=prompt_template or response_template, system_prompt=system_prompt)
+                              template=prompt_template or response_template, system_prompt=system_prompt,
+                              num_videos=len(videos_of(row)))
     target = RESPONSE_TEMPLATES[response_template](row.get("reference_steps") or [], row["answer"])
     messages.append({"role": "assistant", "content": [{"type": "text", "text": target}]})
     return messages, images
 
 
 def sharegpt_conversation(row, *, system_prompt=None):
-    """(messages, images) for a sharegpt row (utils.data.load_sharegpt): each `<image>` marker becomes
-    an image item in place; `system_prompt` is prepended when the row has no system turn."""
+    """(messages, images) for a sharegpt row (utils.data.load_sharegpt): each `<image>` (`<video>`) marker becomes
+    an image (video) item in place; `system_prompt` is prepended when the row has no system turn. The row's
+    videos are `utils.data.videos_of(row)`."""
     messages = []
+    items = {IMAGE_MARKER: {"type": "image"}, VIDEO_MARKER: {"type": "video"}}
     for message in row["messages"]:
-        pieces = message["content"].split(IMAGE_MARKER)
-        content = []
-        for i, piece in enumerate(pieces):
-            if i:
-                content.append({"type": "image"})
-            if piece:
-                content.append({"type": "text", "text": piece})
+        pieces = re.split(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})", message["content"])
+        content = [dict(items[piece]) if piece in items else {"type": "text", "text": piece}
+                   for piece in pieces if piece]
         messages.append({"role": message["role"], "content": content})
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
@@ -110,8 +111,10 @@ def _shift_past_expansions(span, replacements):
     return tuple(c + gained[bisect.bisect_right(ends, c)] for c in span)
 
 
-def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length=None):
-    """Tokenize a batch of (messages, images) for SFT (right padding).
+def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length=None, videos=None,
+                     video_budget=None):
+    """Tokenize a batch of (messages, images) for SFT (right padding); `videos` (per sample, its videos as
+    `utils.data.videos_of` gives them) are sampled and sized under `video_budget` (utils.video).
 
     Returns the processor's model inputs (input_ids, attention_mask, pixel values ...) plus `labels`:
     input ids on assistant tokens, IGNORE_INDEX elsewhere. A row longer than `max_length` is cut at the
@@ -128,14 +131,19 @@ def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length
         if tokenizer is processor:
             raise ValueError(f"sample {sample_ids[0]!r} has images but the model has no image processor")
         kwargs.update(images=[list(imgs) for imgs in images], return_text_replacement_offsets=True)
+    clips = load_clips(videos, video_budget) if videos and any(videos) else None
+    if clips:
+        kwargs.update(processor_video_kwargs([c for row in clips for c in row]), return_text_replacement_offsets=True)
     try:
         batch = processor(**kwargs)
     except (ValueError, IndexError, RuntimeError) as err:
-        raise_for_sample(processor, sample_ids, texts, images, err)
+        raise_for_sample(processor, sample_ids, texts, images, err, videos=clips)
 
     offsets = batch.pop("offset_mapping")
     replacements = batch.pop("text_replacement_offsets", None)
-    if has_images and replacements is None:
+    if clips:
+        check_video_tokens(processor, batch["input_ids"], batch.get("video_grid_thw"), clips, sample_ids)
+    if (has_images or clips) and replacements is None:
         raise ValueError(f"the processor {type(processor).__name__} does not report where it expanded image "
                          "placeholders (return_text_replacement_offsets), so assistant tokens cannot be located")
     offsets = offsets.tolist() if torch.is_tensor(offsets) else offsets

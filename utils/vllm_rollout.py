@@ -1,22 +1,16 @@
 """Rollouts with vLLM running in the training process (colocate mode), fed and masked like the HF path.
 
-Each process runs its own engine (tensor parallel 1, `external_launcher`) on its own GPU, next to the policy.
-What the engine sees is what training scores: the trainer's own prompt token ids (image placeholders already
-expanded by the trainer's processor; vLLM gets the same pixel budget and the echoed ids are checked), the same
-stop ids, the same suppressed tokens (image placeholders, role markers), the same temperature / top-p / top-k,
-one seed per completion (a completion does not depend on how requests were batched).
+Each process runs its own engine (tensor parallel 1, `external_launcher`) on its own GPU, next to the policy. The
+engine sees what training scores: the trainer's own prompt token ids (placeholders expanded by the trainer's
+processor; same pixel budget, echoed ids checked), the same stop and suppressed ids, the same sampling flags,
+one seed per completion (a completion does not depend on how requests were batched). vLLM's log-prob of each
+sampled token (`logprobs_mode="processed_logprobs"`) comes back with it; its gap to the trainer's is logged and
+truncated importance sampling corrects it (`importance_weights`, TRL's `vllm_importance_sampling_*`): token t's
+policy loss is multiplied by min(pi_train(t) / pi_vllm(t), cap).
 
-vLLM's log-prob of each sampled token (after temperature: `logprobs_mode="processed_logprobs"`) comes back
-with the completion. Its gap to the trainer's log-prob is logged, and truncated importance sampling corrects
-it (`importance_weights`, as TRL's `vllm_importance_sampling_*`): the policy loss of token t is multiplied by
-min(pi_train(t) / pi_vllm(t), cap).
-
-Weights go to the engine one parameter at a time (under ZeRO-3 only that parameter is gathered); LoRA layers
-are merged one layer at a time into a temporary (the policy's own weights are never modified, and no second
-copy of the model exists). Frozen weights are never sent: the engine loaded them from the same checkpoint.
-
-Flags are read from the config with defaults (`getattr(cfg, name, default)`), so any script's config works.
-Install with `pip install -r requirements-vllm.txt` (docs/distributed.md).
+Weights go to the engine one parameter at a time (only that one gathered under ZeRO-3), LoRA merged one layer at a
+time into a temporary; frozen weights are never sent. Flags have defaults (`getattr(cfg, name, default)`), so any
+script's config works. Install: `pip install -r requirements-vllm.txt` (docs/distributed.md).
 """
 
 import contextlib
@@ -28,6 +22,7 @@ import torch
 
 from utils.logprobs import hf_core
 from utils.rollout import completion_mask, encode_prompts, special_token_ids_to_suppress
+from utils.video import vllm_video, vllm_video_processor_kwargs
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 FLAG_DEFAULTS = {
@@ -88,10 +83,11 @@ VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "lla
 _PAN_AND_SCAN = ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate")
 
 
-def mm_processor_kwargs(processor=None, cfg=None):
+def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
     """The image budget of the trainer's processor for vLLM's own, so each image expands to the tokens the trainer's
     prompt ids hold: Qwen-VL/GLM `size` (pixel budget), InternVL tile limits, Idefics3/SmolVLM `size` longest_edge
-    (vLLM needs it a multiple of the tile edge), Gemma 3 pan-and-scan. From the processor, else from the flags."""
+    (vLLM needs it a multiple of the tile edge), Gemma 3 pan-and-scan. From the processor, else from the flags.
+    With a `video_budget` (utils.video), the video processor's bounds and no resampling of the given frames."""
     image_processor = getattr(processor, "image_processor", None)
     out = {}
     if image_processor is not None:
@@ -111,11 +107,13 @@ def mm_processor_kwargs(processor=None, cfg=None):
                 out[name] = int(getattr(cfg, name))
         if getattr(cfg, "max_anyres_num", None) is not None:
             out.update(crop_to_patches=True, max_patches=int(cfg.max_anyres_num))
+    if video_budget is not None:
+        out.update(vllm_video_processor_kwargs(video_budget))
     return out
 
 
 def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max_images_per_prompt=4,
-                  model_type=None):
+                  max_videos_per_prompt=0, model_type=None):
     """Arguments of `vllm.LLM` for one colocated engine (`model_type`: the family, for its multimodal limits)."""
     max_len = flag(cfg, "vllm_max_model_len")
     if max_len is None and getattr(cfg, "max_prompt_length", None):
@@ -134,6 +132,8 @@ def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if vision_language:  # vLLM refuses limit_mm_per_prompt for text-only models
         video = {"video": 0} if model_type in VIDEO_FAMILIES else {}
+        if max_videos_per_prompt:
+            video = {"video": max_videos_per_prompt}
         kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, **video}
         if mm_kwargs:
             kwargs["mm_processor_kwargs"] = dict(mm_kwargs)
@@ -159,13 +159,15 @@ def prompt_token_ids(prompt_batch, prompt_index=None):
     return rows if prompt_index is None else [rows[i] for i in torch.as_tensor(prompt_index).tolist()]
 
 
-def vllm_prompts(token_ids, images):
-    """vLLM prompt dicts: token ids plus the images they hold placeholders for."""
+def vllm_prompts(token_ids, images, videos=None):
+    """vLLM prompt dicts: token ids plus the images (and `utils.video.Clip`s) they hold placeholders for."""
     out = []
-    for ids, imgs in zip(token_ids, images):
+    for k, (ids, imgs) in enumerate(zip(token_ids, images)):
         row = {"prompt_token_ids": list(ids)}
         if imgs:
             row["multi_modal_data"] = {"image": list(imgs) if len(imgs) > 1 else imgs[0]}
+        if videos and videos[k]:
+            row.setdefault("multi_modal_data", {})["video"] = [vllm_video(clip) for clip in videos[k]]
         out.append(row)
     return out
 
@@ -303,7 +305,7 @@ class VLLMRollout:
     """One colocated vLLM engine per process. `vllm` (the module) is injectable for tests."""
 
     def __init__(self, model_path, accelerator, cfg, *, processor=None, model_config=None, max_images_per_prompt=4,
-                 vllm=None):
+                 vllm=None, max_videos_per_prompt=0, video_budget=None):
         vllm = vllm or require_vllm()
         self.vllm, self.accelerator, self.cfg = vllm, accelerator, cfg
         if model_config is None:
@@ -318,8 +320,8 @@ class VLLMRollout:
         set_distributed_env(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes)
         self.llm = vllm.LLM(**engine_kwargs(
             model_path, cfg, vision_language=self.vision_language, seed=cfg.seed + accelerator.process_index,
-            mm_kwargs=mm_processor_kwargs(processor, cfg), max_images_per_prompt=max_images_per_prompt,
-            model_type=getattr(model_config, "model_type", None)))
+            mm_kwargs=mm_processor_kwargs(processor, cfg, video_budget), max_images_per_prompt=max_images_per_prompt,
+            max_videos_per_prompt=max_videos_per_prompt, model_type=getattr(model_config, "model_type", None)))
         self.sleep_mode = bool(flag(cfg, "vllm_enable_sleep_mode"))
         self._synced_step, self._asleep = None, set()
         if self.sleep_mode:  # leave the memory to training until the first generation round
@@ -358,13 +360,14 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     def generate(self, policy, processor, messages, images, seeds, *, step, stop_ids, suppress_ids=None,
-                 prompt_batch=None, prompt_index=None, return_logprobs=False):
+                 prompt_batch=None, prompt_index=None, return_logprobs=False, videos=None):
         """One completion per prompt: (completion_ids [B, L], completion_mask [B, L]) on the policy's device,
         and vLLM's log-probs of the sampled tokens [B, L] with return_logprobs=True.
 
         Prompts are `prompt_batch` (the trainer's `encode_prompts` output; `prompt_index` maps completions to
         its rows), else `messages` / `images` encoded by `encode_prompts` here. `stop_ids` / `suppress_ids` are
-        `utils.rollout.stop_token_ids` / `special_token_ids_to_suppress` (computed here when not given).
+        `utils.rollout.stop_token_ids` / `special_token_ids_to_suppress` (computed here when not given). `videos`:
+        per completion, its `utils.video.Clip`s (the frames the trainer's processor got).
         """
         tokenizer = getattr(processor, "tokenizer", processor)
         if suppress_ids is None:
@@ -373,7 +376,7 @@ class VLLMRollout:
             if len(imgs) > self.max_images:
                 raise ValueError(f"prompt {i} has {len(imgs)} images; the vLLM engine takes at most {self.max_images}")
         if prompt_batch is None:
-            prompt_batch, prompt_index = encode_prompts(processor, messages, images,
+            prompt_batch, prompt_index = encode_prompts(processor, messages, images, videos=videos,
                                                         sample_ids=[str(i) for i in range(len(messages))]), None
         sent = prompt_token_ids(prompt_batch, prompt_index)
         if not len(sent) == len(images) == len(seeds):
@@ -387,7 +390,7 @@ class VLLMRollout:
             self._asleep.discard("kv_cache")
         params = [self.vllm.SamplingParams(**sampling_kwargs(self.cfg, seed=s, stop_ids=stop_ids,
                                                              suppress_ids=suppress_ids)) for s in seeds]
-        outputs = self.llm.generate(vllm_prompts(sent, images), params, use_tqdm=False)
+        outputs = self.llm.generate(vllm_prompts(sent, images, videos), params, use_tqdm=False)
         ids, mask, logps = unpack_outputs(outputs, sent, pad_token_id=tokenizer.pad_token_id, stop_ids=stop_ids)
         device = self.accelerator.device
         if not return_logprobs:
