@@ -107,6 +107,7 @@ TEXTS = [
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_reported_crystal_numbers_equal_the_crystal_metrics_cli(tmp_path):
     cfg = EvalConfig(model="unused", metrics=["crystal", "math", "keywords"])
     metrics = score(cfg, ROWS, TEXTS, str(tmp_path))

@@ -143,6 +143,10 @@ def cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+# Launches of the scripts as a user types them (imports included: ~10 s each): the full tier. The fast tier checks
+# the same refusals in-process (test_main_refuses_before_loading_a_model and each script's validate tests).
+@pytest.mark.slow
+@pytest.mark.full
 def test_bad_input_ends_the_script_in_one_line(tmp_path):
     """As a new user would try it: a recipe whose data file is not here, a reward that needs a missing column."""
     missing = tmp_path / "crystal_train.jsonl"
@@ -157,8 +161,10 @@ def test_bad_input_ends_the_script_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("script, args, message", [
     ("iterate.py", ["--num_cycles", "0"], "--num_cycles must be >= 1, got 0"),
-    ("distill.py", ["--chain_source", "model"], "--chain_source model needs exactly one of --model"),
-    ("train_mixgrpo.py", ["--group_size", "1"], "--group_size must be >= 2"),
+    pytest.param("distill.py", ["--chain_source", "model"], "--chain_source model needs exactly one of --model",
+                 marks=[pytest.mark.slow, pytest.mark.full]),
+    pytest.param("train_mixgrpo.py", ["--group_size", "1"], "--group_size must be >= 2",
+                 marks=[pytest.mark.slow, pytest.mark.full]),
 ])
 def test_other_scripts_refuse_bad_flags_in_one_line(tmp_path, script, args, message):
     proc = subprocess.run([sys.executable, os.path.join(REPO, script), *args, "--output_dir", str(tmp_path)], cwd=REPO,

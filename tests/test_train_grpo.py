@@ -288,6 +288,7 @@ def test_resume_from_a_checkpoint_matches_uninterrupted_run_bit_for_bit(assets, 
     assert opt_a == opt_b
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_dynamic_sampling_trains_only_groups_with_spread(assets, tmp_path):
     funcs = ["tests.grpo_helpers:constant_on_even_prompts"]
     run(config(assets, tmp_path / "plain", reward_funcs=funcs, max_steps=3, log_completions=True))
