@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -29,7 +28,6 @@ from accelerate.utils import DistributedDataParallelKwargs, gather_object, set_s
 from transformers import get_scheduler
 
 from rewards import get_reward
-from tiny.cache import _cached
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.errors import InputError, exit_on_bad_input
@@ -41,6 +39,15 @@ from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
 from utils.models import disable_dropout, freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.precision import check_update_precision, deepspeed_master_weights
+from utils.r3_format import (
+    REASON_PROMPT,
+    REFLECT_PROMPT,
+    reason_rewards,
+    reasoning_of,
+    reflect_rewards,
+    reflection_of,
+    user_message,
+)
 from utils.rollout import (
     completion_seeds,
     encode_prompts,
@@ -59,18 +66,6 @@ TINY = "tiny"
 TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
 DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif")
 REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
-# R3's format rules: the reasoning is the whole output, `<think>..</think>`; a reflection is `<think>..</think>` then
-# a non-empty edit instruction; neither holds another think tag
-_NO_TAG = r"(?:(?!<think>|</think>).)"
-REASON_FORMAT = re.compile(rf"<think>({_NO_TAG}*?)</think>", re.S)
-REFLECT_FORMAT = re.compile(rf"<think>{_NO_TAG}*?</think>{_NO_TAG}+", re.S)
-LEADING_THINK = re.compile(r"<think>(.*?)</think>", re.S)
-NO_EDIT = "no further edit needed"
-NO_EDIT_MATCH = "no further edit"  # what R3 looks for in the instruction
-REFLECT_PROMPT = ("This image was drawn for: {prompt}\nThink inside <think> </think> about whether it shows exactly "
-                  f"that. Then write one edit instruction that fixes it, or write \"{NO_EDIT}\".")
-REASON_PROMPT = ("Think about how to draw the image below inside <think> </think>: which objects, how many, "
-                 "their colours and where they go. Then stop.\nImage: {prompt}")
 
 
 @dataclass
@@ -261,8 +256,7 @@ def validate(cfg, num_processes):
 def resolve_tiny(cfg, accelerator):
     """(VLM path, generator path, train prompts, held-out prompts), building the tiny pieces once: 'tiny' is the
     pre-trained tiny Qwen-Image generator (tiny/generator.py) and the VLM it was trained to read (tiny-planner)."""
-    from tiny.cache import TINY_PLANNER_MODEL, resolve_tiny_name, tiny_generator_path
-    from tiny.t2i import make_t2i_prompts, write_jsonl
+    from tiny.cache import TINY_PLANNER_MODEL, resolve_tiny_name, tiny_generator_path, tiny_t2i_prompts
 
     if cfg.generator_name_or_path == TINY and cfg.conditioning != "generator":
         # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
@@ -273,11 +267,7 @@ def resolve_tiny(cfg, accelerator):
         vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY else cfg.model_name_or_path)
         paths = []
         for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
-            if value == TINY:
-                spec = dict(n=n, seed=seed)
-                value = os.path.join(_cached(f"t2i-prompts-{seed}", spec, lambda out: write_jsonl(
-                    make_t2i_prompts(n, seed=seed), os.path.join(out, "prompts.jsonl"))), "prompts.jsonl")
-            paths.append(value)
+            paths.append(tiny_t2i_prompts(n, seed) if value == TINY else value)
     return vlm, gen, paths[0], paths[1]
 
 
@@ -306,41 +296,7 @@ def build_reward(cfg):
 # ---- the stage reward rules ----
 
 
-def reasoning_of(text):
-    """(format 0/1, what the image is drawn from). Format 1 when the whole output is `<think>..</think>` (R3);
-    the image reads the leading think block's reasoning, or the whole text when there is none."""
-    text = text.strip()
-    fmt = 1.0 if REASON_FORMAT.fullmatch(text) else 0.0
-    match = LEADING_THINK.match(text)
-    return fmt, (match.group(1).strip() if match else text)
 
-
-def reason_rewards(scores, formats, format_weight):
-    """Reason stage: text reward = score * fmt + w_fmt * fmt, image reward = score."""
-    scores, formats = torch.as_tensor(scores, dtype=torch.float32), torch.as_tensor(formats, dtype=torch.float32)
-    return scores * formats + format_weight * formats, scores.clone()
-
-
-def reflection_of(text):
-    """(format 0/1, the edit instruction, whether the image is kept). Format 1 for `<think>..</think>` then a
-    non-empty instruction (R3). The instruction is the text after the last </think>; without one (no </think>, or
-    nothing after it) or when it says "no further edit", there is no edit and the image is kept, as in R3."""
-    text = text.strip()
-    fmt = 1.0 if REFLECT_FORMAT.fullmatch(text) else 0.0
-    _, closed, tail = text.rpartition("</think>")
-    instruction = tail.strip()
-    if not (closed and instruction):
-        return fmt, NO_EDIT, True
-    return fmt, instruction, NO_EDIT_MATCH in instruction.lower()
-
-
-def reflect_rewards(scores_new, scores_prev, formats, no_edit, format_weight):
-    """Reflect stage: improvement = score_new - score_prev, or 1 when score_prev = 1 and the edit says no further
-    edit is needed; text reward = w_fmt * fmt + improvement * fmt; image reward = score_new."""
-    new, prev = torch.as_tensor(scores_new, dtype=torch.float32), torch.as_tensor(scores_prev, dtype=torch.float32)
-    fmt, keep = torch.as_tensor(formats, dtype=torch.float32), torch.as_tensor(no_edit, dtype=torch.bool)
-    improvement = torch.where(keep & (prev >= 1.0), torch.ones_like(new), new - prev)
-    return format_weight * fmt + improvement * fmt, new.clone()
 
 
 def group_advantages(rewards, group_size, scale=False):
@@ -457,11 +413,6 @@ def score_images(cfg, reward_fn, texts, images, rows):
     columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
     scores = reward_fn(texts, images=images, **columns)
     return torch.tensor([float("nan") if s is None else float(s) for s in scores], dtype=torch.float32)
-
-
-def user_message(text, with_image=False):
-    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": content}]
 
 
 def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,

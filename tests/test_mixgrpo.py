@@ -16,6 +16,7 @@ import train_mixgrpo as tm
 from tests.launch_helpers import cli as flags
 from tests.launch_helpers import failing_fixture, finish, launch, sigkill_when
 from train_mixgrpo import MixGRPOConfig
+from utils import r3_format
 from utils.tracking import read_jsonl
 
 
@@ -27,7 +28,7 @@ from utils.tracking import read_jsonl
     (0.0, 0.0, 0.5, 0.0, 0.0),
 ])
 def test_reason_rewards(score, fmt, w, text, image):
-    t, i = tm.reason_rewards([score], [fmt], w)
+    t, i = r3_format.reason_rewards([score], [fmt], w)
     assert t.item() == pytest.approx(text) and i.item() == pytest.approx(image)
 
 
@@ -40,7 +41,7 @@ def test_reason_rewards(score, fmt, w, text, image):
     ("text <think>late</think>", 0.0, "text <think>late</think>"),
 ])
 def test_reasoning_format(text, fmt, reasoning):
-    assert tm.reasoning_of(text) == (fmt, reasoning)
+    assert r3_format.reasoning_of(text) == (fmt, reasoning)
 
 
 # score_new, score_prev, fmt, no_edit, w -> text reward, image reward
@@ -53,7 +54,7 @@ def test_reasoning_format(text, fmt, reasoning):
     (0.9, 0.1, 0.0, False, 0.5, 0.0, 0.9),  # malformed reflection: no text reward
 ])
 def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
-    t, i = tm.reflect_rewards([new], [prev], [fmt], [no_edit], w)
+    t, i = r3_format.reflect_rewards([new], [prev], [fmt], [no_edit], w)
     assert t.item() == pytest.approx(text) and i.item() == pytest.approx(image)
 
 
@@ -61,11 +62,11 @@ def test_reflect_rewards(new, prev, fmt, no_edit, w, text, image):
     ("<think>the square is missing</think> add a red square on the left", 1.0,
      "add a red square on the left", False),
     ("<think>all there</think> No further edit needed.", 1.0, "No further edit needed.", True),
-    ("<think>all there</think>   ", 0.0, tm.NO_EDIT, True),  # nothing after </think>: no edit
-    ("no further edit needed", 0.0, tm.NO_EDIT, True),  # no reflection: no edit, the image is kept (R3)
+    ("<think>all there</think>   ", 0.0, r3_format.NO_EDIT, True),  # nothing after </think>: no edit
+    ("no further edit needed", 0.0, r3_format.NO_EDIT, True),  # no reflection: no edit, the image is kept (R3)
 ])
 def test_reflection_format(text, fmt, instruction, no_edit):
-    assert tm.reflection_of(text) == (fmt, instruction, no_edit)
+    assert r3_format.reflection_of(text) == (fmt, instruction, no_edit)
 
 
 def test_buffer_draws_follow_perfect_buffer_prob_and_fall_back_when_a_pool_is_empty():

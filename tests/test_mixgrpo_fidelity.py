@@ -10,6 +10,7 @@ import torch
 
 import train_mixgrpo as tm
 from train_mixgrpo import MixGRPOConfig
+from utils import r3_format
 from utils.errors import InputError
 
 TINY_CFG = dict(group_size=4, policy_group_size=1, prompts_per_policy_group=2, max_output_token_n_gen=6,
@@ -174,18 +175,18 @@ def test_a_planted_object_in_the_buffer_is_refused_naming_the_file(tmp_path, tar
     ("<think>a</think><think>b</think>", 0.0),
 ])
 def test_reason_format_is_the_whole_output(text, fmt):
-    assert tm.reasoning_of(text)[0] == fmt
+    assert r3_format.reasoning_of(text)[0] == fmt
 
 
 @pytest.mark.parametrize("text, fmt, instruction, no_edit", [
     ("<think>missing a cube</think> add a red cube", 1.0, "add a red cube", False),
     ("missing a cube</think> add a red cube", 0.0, "add a red cube", False),  # no leading <think>: format 0
     ("<think>fine</think> No further edit.", 1.0, "No further edit.", True),  # R3 matches "no further edit"
-    ("add a red cube", 0.0, tm.NO_EDIT, True),  # malformed: no edit, the image is kept
+    ("add a red cube", 0.0, r3_format.NO_EDIT, True),  # malformed: no edit, the image is kept
     ("<think>a</think> b <think>c</think> d", 0.0, "d", False),
 ])
 def test_reflection_follows_r3(text, fmt, instruction, no_edit):
-    assert tm.reflection_of(text) == (fmt, instruction, no_edit)
+    assert r3_format.reflection_of(text) == (fmt, instruction, no_edit)
 
 
 # ---- 4. R3's GenEval++ judge ----

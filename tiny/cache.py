@@ -178,13 +178,22 @@ def tiny_reasoner_path():
                                                                    "--dataset_name", data])
 
 
+def tiny_t2i_prompts(n, seed):
+    """A cached prompts.jsonl of `n` tiny text-to-image rows (tiny.t2i.make_t2i_prompts with `seed`)."""
+    from tiny.t2i import make_t2i_prompts, write_jsonl
+
+    folder = _cached(f"t2i-prompts-{seed}", dict(n=n, seed=seed), lambda out: write_jsonl(
+        make_t2i_prompts(n, seed=seed), os.path.join(out, "prompts.jsonl")))
+    return os.path.join(folder, "prompts.jsonl")
+
+
 def tiny_planner_path():
     """The tiny Mix-GRPO policy's warm start: a fresh word-level tiny VLM (TINY_PLANNER_VLM) taught to answer
     train_mixgrpo's reason prompt with `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is
     trained on (tiny.t2i.scene_plan: the objects with a colour and a grid cell each)."""
     from tiny import t2i
     from tiny.models import make_tiny_vlm
-    from train_mixgrpo import REASON_PROMPT
+    from utils.r3_format import REASON_PROMPT
 
     spec = {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS,
             "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}

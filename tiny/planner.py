@@ -22,7 +22,7 @@ def load_planner(name):
 @torch.no_grad()
 def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
     """The reasoning a planner VLM writes greedily for each row under train_mixgrpo's reason prompt."""
-    from train_mixgrpo import REASON_PROMPT, reasoning_of, user_message
+    from utils.r3_format import REASON_PROMPT, reasoning_of, user_message
     from utils.rollout import encode_prompts, generate_completions, stop_token_ids
 
     tok = processor.tokenizer
@@ -46,7 +46,7 @@ def shape_reading(model, processor, colors=("red", "blue", "green")):
 
     Exactly 1 / len(SHAPES) when the planner's next-token distribution does not depend on the prompt (the mean of
     one distribution's entries), 1 when it copies the shape."""
-    from train_mixgrpo import REASON_PROMPT
+    from utils.r3_format import REASON_PROMPT
 
     tok = processor.tokenizer
     shape_ids = [tok.encode(f" {s}", add_special_tokens=False)[0] for s in SHAPES]
