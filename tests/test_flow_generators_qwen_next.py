@@ -2,11 +2,13 @@
 against their diffusers pipelines' own `__call__` (tiny random components), and the SDE-step recompute on them."""
 
 import pytest
+import torch
 
 from tests.flow_helpers import PROMPTS, SIZE
 from tests.flow_helpers import assert_close as _close
 from tests.flow_helpers import random_image as _image
 from tests.flow_helpers import seeded as _gen
+from tiny import pipelines as tp
 from tiny.pipelines import make_tiny_qwenimage21, make_tiny_qwenimage_edit_plus
 from utils.flow_adapters import QwenImage21Generator, QwenImageEditPlusGenerator, template_prefix_length
 from utils.flow_generators import Guidance, SDEStep, load_flow_generator, sample, step_logprob
@@ -124,3 +126,18 @@ def test_qwenimage21_refuses_batched_cfg(q21_dir):
     x = gen.prepare_latents(2, SIZE, SIZE, _gen())
     with pytest.raises(ValueError, match="each CFG branch alone"):
         gen.velocity(x, 900.0, cond, Guidance(scale=4.0))
+
+
+@pytest.mark.parametrize("kind", ["q21", "plus"])
+def test_fixed_shift_gives_r3s_schedule_on_their_scheduler_configs(q21_dir, plus_dir, kind):
+    """R3's t' = 3t / (1 + 2t) on linear steps, with the configs' shift_terminal and dynamic shifting turned off."""
+    cls, path, real = ((QwenImage21Generator, q21_dir, tp.QWEN_IMAGE_21_SCHEDULER) if kind == "q21" else
+                       (QwenImageEditPlusGenerator, plus_dir, tp.QWEN_IMAGE_EDIT_PLUS_SCHEDULER))
+    gen = cls.from_pretrained(path)
+    assert all(gen.scheduler.config[k] == v for k, v in real.items())
+    x = gen.prepare_latents(1, SIZE, SIZE, _gen())
+    _, sigmas = gen.schedule(8, x, shift=3.0)
+    t = torch.linspace(1, 1 / 8, 8, dtype=torch.float64)
+    assert torch.allclose(sigmas[:-1].double(), 3 * t / (1 + 2 * t), atol=1e-6) and sigmas[-1] == 0
+    _, own = gen.schedule(8, x)  # the pipeline's own schedule (shift_terminal 0.02 ends it there)
+    assert abs(float(own[-2]) - 0.02) < 1e-6

@@ -106,8 +106,11 @@ def launch(pipes, name, out, **overrides):
                  report_to="none", output_dir=str(out), learning_rate=1e-3, warmup_steps=0, generator_lora_r=2,
                  reflect_refine=refine, cpu_threads=1, **extra)
     flags.update(overrides)
+    # where the adapter refines, every reflection reads as an edit (tests/mixgrpo_scripted_edit.py), so the
+    # reflect step trains the refine path: a random tiny VLM's reflections would all keep their image
+    script = os.path.join("tests", "mixgrpo_scripted_edit.py") if refine else "train_mixgrpo.py"
     cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", os.path.join(REPO, "train_mixgrpo.py"),
+           "--dynamo_backend", "no", os.path.join(REPO, script),
            *[x for k, v in flags.items() for x in (f"--{k}", str(v))]]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=900)
@@ -130,7 +133,10 @@ def test_two_steps_through_the_script_train_the_image_and_resume_exactly(pipes, 
         lora = load_file(str(tmp_path / "run" / checkpoint / part / "pytorch_lora_weights.safetensors"))
         assert max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k) > 0  # the image part was trained
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2")
-    if ADAPTERS[name][1]:  # the reflect step reflects on the buffer the checkpoint holds
+    if ADAPTERS[name][1]:  # the reflect step refined every image and trained on the refine steps
+        assert metrics[1]["reflect/no_edit"] == 0 and metrics[1]["reflect/image_advantage_abs"] > 0
+        assert math.isfinite(metrics[1]["reflect/loss_image"])
+        # the reflect step reflects on the buffer the checkpoint holds
         assert os.path.isfile(tmp_path / "run" / "checkpoint-1" / "reflect_buffer" / "images.pt")
     resumed = launch(pipes, name, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
     keys = [k for k in metrics[1] if k.split("/")[-1] in ("loss", "score", "text_reward", "image_reward", "format")]
