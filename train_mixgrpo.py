@@ -1046,15 +1046,18 @@ BUFFER_POOLS = ("perfect", "imperfect")
 
 def save_buffer(buffer, folder):
     """The reflect buffer, so that a run resumed before a reflect step reflects on the same images: each entry's
-    id, row and score in buffer.json, its image's RGB pixels (uint8 tensors, lossless) in images.pt. Nothing
+    id, row and score in buffer.json, its image's RGB or RGBA pixels (uint8 tensors, lossless: Qwen-Image 2.1's
+    VAE decodes an alpha channel, which its refine reads) in images.pt. Nothing
     pickled, so `load_buffer` reads it with weights_only=True: a checkpoint from elsewhere cannot run code."""
     import numpy as np
 
     os.makedirs(folder, exist_ok=True)
     meta = {pool: [dict(id=e["id"], row=e["row"], score=e["score"]) for e in buffer[pool]]
             for pool in BUFFER_POOLS}
-    pixels = {pool: [torch.from_numpy(np.array(e["image"].convert("RGB"))) for e in buffer[pool]]
-              for pool in BUFFER_POOLS}
+    def lossless(im):
+        return im if im.mode in ("RGB", "RGBA") else im.convert("RGB")
+
+    pixels = {pool: [torch.from_numpy(np.array(lossless(e["image"]))) for e in buffer[pool]] for pool in BUFFER_POOLS}
     with open(os.path.join(folder, "buffer.json"), "w") as f:
         json.dump(meta, f)
     torch.save(pixels, os.path.join(folder, "images.pt"))

@@ -141,3 +141,20 @@ def test_two_steps_through_the_script_train_the_image_and_resume_exactly(pipes, 
     resumed = launch(pipes, name, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
     keys = [k for k in metrics[1] if k.split("/")[-1] in ("loss", "score", "text_reward", "image_reward", "format")]
     assert {k: resumed[-1][k] for k in keys} == pytest.approx({k: metrics[1][k] for k in keys}, rel=1e-5, abs=1e-7)
+
+
+def test_reflect_buffer_keeps_an_images_alpha(tmp_path):
+    """Qwen-Image 2.1 draws RGBA images and its refine's VAE reads the alpha: a resumed run's buffer keeps it."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (8, 8, 4), dtype=np.uint8))
+    rgb = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    buffer = {pool: [] for pool in tm.BUFFER_POOLS}
+    buffer[tm.BUFFER_POOLS[0]] = [dict(id=0, row={"prompt": "p"}, score=0.5, image=rgba),
+                                  dict(id=1, row={"prompt": "q"}, score=0.2, image=rgb)]
+    tm.save_buffer(buffer, str(tmp_path))
+    back = tm.load_buffer(str(tmp_path))[tm.BUFFER_POOLS[0]]
+    assert [e["image"].mode for e in back] == ["RGBA", "RGB"]
+    assert all(a["image"].tobytes() == b.tobytes() for a, b in zip(back, (rgba, rgb)))
