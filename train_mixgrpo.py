@@ -74,10 +74,11 @@ class MixGRPOConfig:
     model_name_or_path: str = field(default=TINY, metadata={
         "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws"})
     generator_name_or_path: str = field(default=TINY, metadata={
-        "help": "Qwen-Image pipeline folder or hub name; 'tiny': the pre-trained tiny Qwen-Image (tiny/generator.py)"})
+        "help": "a pipeline folder or hub name: Qwen-Image (+ Edit, Edit Plus), Qwen-Image 2.1, SD3/3.5, FLUX.1, "
+                "FLUX.2 Klein; 'tiny': the pre-trained tiny Qwen-Image (tiny/generator.py)"})
     edit_generator_name_or_path: Optional[str] = field(default=None, metadata={
-        "help": "the refine stage's generator (Qwen-Image-Edit folder or hub name), with its own LoRA; none: the "
-                "reason stage's generator refines too"})
+        "help": "the refine stage's generator (a Qwen-Image-Edit or Edit Plus folder or hub name, beside a Qwen-Image "
+                "generator), with its own LoRA; none: the reason stage's generator refines too"})
     generator_kwargs: dict = field(default_factory=dict, metadata={
         "help": "JSON options of the generator's adapter (utils/flow_adapters.py), e.g. FLUX.2 Klein's "
                 "{\"text_encoder_out_layers\": [9, 18, 27]}"})
@@ -553,11 +554,13 @@ def own_processor(path):
     return {"processor": AutoProcessor.from_pretrained(folder)}
 
 
-# What each generator pipeline can do in the loop: read the VLM's hidden states (Qwen-Image), refine an image from
-# an instruction (an edit path: Qwen-Image-Edit, FLUX.2 Klein's reference images; SD3 and FLUX.1 have none), and
-# guide against the image (--cfg_img_scale_edit: Qwen-Image-Edit's image-free branch).
-QWEN_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline")
-EDIT_PIPELINES = QWEN_PIPELINES + ("Flux2KleinPipeline",)
+# What each generator pipeline can do in the loop: read the VLM's hidden states (Qwen-Image: a Qwen2.5-VL's), refine
+# an image from an instruction (an edit path: Qwen-Image-Edit and Edit Plus, Qwen-Image 2.1's input images, FLUX.2
+# Klein's reference images; SD3 and FLUX.1 have none), and guide against the image (--cfg_img_scale_edit: the
+# image-free branch of Qwen-Image-Edit, Edit Plus and Qwen-Image 2.1).
+QWEN_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+IMAGE_CFG_PIPELINES = QWEN_PIPELINES + ("QwenImage21Pipeline",)
+EDIT_PIPELINES = IMAGE_CFG_PIPELINES + ("Flux2KleinPipeline",)
 
 
 def pipeline_class(path):
@@ -576,15 +579,16 @@ def check_generators(cfg, gen_path):
         refines = cfg.reflect_refine and (flag.startswith("edit_") or not cfg.edit_generator_name_or_path)
         if flag.startswith("edit_") and (name not in QWEN_PIPELINES or pipeline_class(gen_path) not in QWEN_PIPELINES):
             raise ConfigError(f"--{flag} {path}: a {name}; the refine stage's own generator must be a Qwen-Image-Edit "
-                              "pipeline beside a Qwen-Image --generator_name_or_path (it reads that one's text "
-                              "encoder)")
+                              "(or Edit Plus) pipeline beside a Qwen-Image --generator_name_or_path (it reads that "
+                              "one's text encoder)")
         if name not in QWEN_PIPELINES and cfg.conditioning != "generator":
             raise ConfigError(f"--{flag} {path}: a {name} reads its own text encoders, not the VLM's states: use "
                               f"--conditioning generator, not {cfg.conditioning}")
         if refines and name not in EDIT_PIPELINES:
             raise ConfigError(f"--reflect_refine: --{flag} {path} is a {name}, which has no edit path to refine an "
-                              "image from an instruction; use --reflect_refine false (or Qwen-Image, FLUX.2 Klein)")
-        if refines and name not in QWEN_PIPELINES and cfg.cfg_img_scale_edit > 1:
+                              "image from an instruction; use --reflect_refine false (or Qwen-Image, Qwen-Image 2.1, "
+                              "FLUX.2 Klein)")
+        if refines and name not in IMAGE_CFG_PIPELINES and cfg.cfg_img_scale_edit > 1:
             raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit}: --{flag} {path} (a {name}) has no "
                               "image-free branch to guide against; use --cfg_img_scale_edit 1")
 
@@ -596,13 +600,13 @@ def load_generator(cfg, path, flag, device, *, hidden, **options):
     if pipeline_class(path) in QWEN_PIPELINES:  # its conditioning: the VLM's base weights or the policy
         options["conditioning"] = "base" if cfg.conditioning == "generator" else cfg.conditioning
     gen = load_flow_generator(path, dtype=dtype, device=device, **options)
-    joint = gen.transformer.config.joint_attention_dim
-    if hidden is not None and joint != hidden:
-        raise InputError(f"--{flag} reads {joint}-dim text states but the VLM's hidden size is {hidden}")
+    if hidden is not None and gen.transformer.config.joint_attention_dim != hidden:
+        raise InputError(f"--{flag} reads {gen.transformer.config.joint_attention_dim}-dim text states but the VLM's "
+                         f"hidden size is {hidden}")
     params = train_generator(cfg, gen)
     if cfg.gradient_checkpointing:
         gen.enable_gradient_checkpointing()
-    gen.cfg_batched = True  # one transformer forward for both CFG branches
+    gen.cfg_batched = gen.cfg_batchable  # one transformer forward for both CFG branches, where that changes neither
     gen.edit_area = cfg.image_size ** 2  # refine at the generated size (the edit pipeline's own: 1024 x 1024)
     return gen, params
 
@@ -993,15 +997,18 @@ BUFFER_POOLS = ("perfect", "imperfect")
 
 def save_buffer(buffer, folder):
     """The reflect buffer, so that a run resumed before a reflect step reflects on the same images: each entry's
-    id, row and score in buffer.json, its image's RGB pixels (uint8 tensors, lossless) in images.pt. Nothing
+    id, row and score in buffer.json, its image's RGB or RGBA pixels (uint8 tensors, lossless: Qwen-Image 2.1's
+    VAE decodes an alpha channel, which its refine reads) in images.pt. Nothing
     pickled, so `load_buffer` reads it with weights_only=True: a checkpoint from elsewhere cannot run code."""
     import numpy as np
 
     os.makedirs(folder, exist_ok=True)
     meta = {pool: [dict(id=e["id"], row=e["row"], score=e["score"]) for e in buffer[pool]]
             for pool in BUFFER_POOLS}
-    pixels = {pool: [torch.from_numpy(np.array(e["image"].convert("RGB"))) for e in buffer[pool]]
-              for pool in BUFFER_POOLS}
+    def lossless(im):
+        return im if im.mode in ("RGB", "RGBA") else im.convert("RGB")
+
+    pixels = {pool: [torch.from_numpy(np.array(lossless(e["image"]))) for e in buffer[pool]] for pool in BUFFER_POOLS}
     with open(os.path.join(folder, "buffer.json"), "w") as f:
         json.dump(meta, f)
     torch.save(pixels, os.path.join(folder, "images.pt"))

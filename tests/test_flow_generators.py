@@ -5,8 +5,11 @@ import os
 
 import pytest
 import torch
-from PIL import Image
 
+from tests.flow_helpers import PROMPTS, SIZE
+from tests.flow_helpers import assert_close as _close
+from tests.flow_helpers import random_image as _image
+from tests.flow_helpers import seeded as _gen
 from tiny.pipelines import make_tiny_flux, make_tiny_klein, make_tiny_qwenimage, make_tiny_sd3
 from utils.flow_adapters import (
     Flux2KleinGenerator,
@@ -17,10 +20,6 @@ from utils.flow_adapters import (
 )
 from utils.flow_generators import Guidance, SDEStep, edit_start, load_flow_generator, sample, step_logprob
 from utils.flow_sde import sde_std_t
-
-SIZE = 32
-PROMPTS = ["a photo of two red circles", "a blue square"]
-
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures
@@ -48,21 +47,6 @@ def flux_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def klein_dir(tmp_path_factory):
     return make_tiny_klein(tmp_path_factory.mktemp("klein"))
-
-
-def _gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def _image(seed=0, size=SIZE):
-    g = torch.Generator().manual_seed(seed)
-    arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
-    return Image.fromarray(arr)
-
-
-def _close(a, b, atol=1e-5):
-    assert a.shape == b.shape
-    assert torch.allclose(a, b, atol=atol, rtol=0), f"max diff {(a - b).abs().max().item():.3g}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Tiny diffusers flow pipelines built from configs, saved as folders: Qwen-Image (+ Edit) on a tiny Qwen2.5-VL,
-SD3 and FLUX.1 with offline CLIP/T5 tokenizers, FLUX.2 Klein. Random weights; the tests compare our sampler with
-these pipelines' own `__call__`, and bench/bench_flow.py times them."""
+"""Tiny diffusers flow pipelines built from configs, saved as folders: Qwen-Image (+ Edit, Edit Plus) on a tiny
+Qwen2.5-VL, Qwen-Image 2.1 on a tiny Qwen3-VL, SD3 and FLUX.1 with offline CLIP/T5 tokenizers, FLUX.2 Klein. Random
+weights; the tests compare our sampler with these pipelines' own `__call__`, and bench/bench_flow.py times them."""
 
 import os
 
@@ -18,6 +18,10 @@ QWEN_IMAGE_SCHEDULER = dict(  # Qwen/Qwen-Image; Qwen/Qwen-Image-Edit ships the 
     num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
     base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
 QWEN_IMAGE_EDIT_SCHEDULER = dict(QWEN_IMAGE_SCHEDULER)
+QWEN_IMAGE_EDIT_PLUS_SCHEDULER = dict(QWEN_IMAGE_SCHEDULER)  # Qwen/Qwen-Image-Edit-2509 and -2511 ship Qwen-Image's
+# Qwen/Qwen-Image-2.1: its scheduler_config.json could not be read offline (QwenImage21Pipeline reads shift, base/max
+# shift and image lengths from it, and `sample_sigmas` from the pipeline's own config), so Qwen-Image's stands in.
+QWEN_IMAGE_21_SCHEDULER = dict(QWEN_IMAGE_SCHEDULER)
 SD35_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)  # stabilityai/stable-diffusion-3.5-large (and medium)
 FLUX1_DEV_SCHEDULER = dict(  # black-forest-labs/FLUX.1-dev
     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -27,14 +31,9 @@ FLUX2_KLEIN_SCHEDULER = dict(  # black-forest-labs/FLUX.2-klein-4B (the pipeline
     base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
 
 
-def make_tiny_qwenimage(out_dir, *, vlm_hidden=32, layers=2, heads=3, head_dim=16, base_dim=24, seed=0):
-    """A QwenImageEditPipeline folder (its T2I sibling loads from it too) on a tiny Qwen2.5-VL. Returns out_dir."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageEditPipeline,
-        QwenImageTransformer2DModel,
-    )
+def _qwenimage_parts(out_dir, vlm_hidden, layers, heads, head_dim, base_dim, seed):
+    """The modules of a Qwen-Image edit pipeline on a tiny Qwen2.5-VL (saved under out_dir/_vlm)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     vlm_dir = make_tiny_vlm(os.path.join(out_dir, "_vlm"), hidden_size=vlm_hidden, num_attention_heads=2,
@@ -50,9 +49,60 @@ def make_tiny_qwenimage(out_dir, *, vlm_hidden=32, layers=2, heads=3, head_dim=1
     vae = AutoencoderKLQwenImage(base_dim=base_dim, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
                                  temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
                                  latents_std=[1.5, 0.8, 1.0, 1.2])
-    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_EDIT_SCHEDULER)
-    QwenImageEditPipeline(scheduler=scheduler, vae=vae, text_encoder=vlm, tokenizer=processor.tokenizer,
-                          processor=processor, transformer=transformer).save_pretrained(out_dir)
+    return dict(vae=vae, text_encoder=vlm, tokenizer=processor.tokenizer, processor=processor,
+                transformer=transformer)
+
+
+def make_tiny_qwenimage(out_dir, *, vlm_hidden=32, layers=2, heads=3, head_dim=16, base_dim=24, seed=0):
+    """A QwenImageEditPipeline folder (its T2I sibling loads from it too) on a tiny Qwen2.5-VL. Returns out_dir."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+
+    parts = _qwenimage_parts(out_dir, vlm_hidden, layers, heads, head_dim, base_dim, seed)
+    QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_EDIT_SCHEDULER),
+                          **parts).save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def make_tiny_qwenimage_edit_plus(out_dir, *, vlm_hidden=32, layers=2, heads=3, head_dim=16, base_dim=24, seed=0):
+    """A QwenImageEditPlusPipeline folder (Qwen-Image-Edit 2509 / 2511: several input images) on a tiny
+    Qwen2.5-VL: the same modules as `make_tiny_qwenimage`. Returns out_dir."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+
+    parts = _qwenimage_parts(out_dir, vlm_hidden, layers, heads, head_dim, base_dim, seed)
+    QwenImageEditPlusPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_EDIT_PLUS_SCHEDULER),
+                              **parts).save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def make_tiny_qwenimage21(out_dir, *, vlm_hidden=32, layers=2, heads=2, head_dim=16, z_dim=8, seed=0):
+    """A QwenImage21Pipeline folder (Qwen-Image 2.1): a tiny Qwen3-VL text encoder (16 px patches merged 2x2, so
+    one image token per 32 px tile, which the transformer fills with 2x2 latent tokens of the 16x VAE), the
+    single-stream block-causal transformer, the RGBA video VAE with 16x spatial compression. Returns out_dir."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    vlm_dir = make_tiny_vlm(os.path.join(out_dir, "_vlm"), family="qwen3_vl", hidden_size=vlm_hidden,
+                            num_attention_heads=2, vision_hidden_size=32, seed=seed)
+    vlm = Qwen3VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    torch.manual_seed(seed)
+    transformer = QwenImage21Transformer2DModel(patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=layers,
+                                                attention_head_dim=head_dim, num_attention_heads=heads,
+                                                context_in_dim=vlm_hidden, mlp_ratio=2,
+                                                axes_dims_rope=(4, head_dim // 2 - 2, head_dim // 2 - 2))
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    vae = AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1],
+                                   num_res_blocks=1, temperal_downsample=[False, True, True, True],
+                                   latents_mean=(torch.rand(z_dim, generator=g) - 0.5).tolist(),
+                                   latents_std=(torch.rand(z_dim, generator=g) + 0.5).tolist())
+    QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_21_SCHEDULER), vae=vae,
+                        text_encoder=vlm, processor=processor, transformer=transformer).save_pretrained(out_dir)
     return str(out_dir)
 
 

@@ -176,7 +176,8 @@ class FlowGenerator:
     pipeline_class = None
     lora_targets = DEFAULT_LORA_TARGETS
     cfg_renorm = False  # Qwen-Image rescales the guided velocity to the conditional norm
-    cfg_batched = False  # one forward on [neg, pos] (SD3 does; set it on any adapter: one forward per backward)
+    cfg_batched = False  # one forward on [neg, pos] (SD3 does; set it where cfg_batchable: one forward per backward)
+    cfg_batchable = True  # one forward on both branches gives what two give (Qwen-Image 2.1: no)
 
     def __init__(self, pipe):
         self.pipe = pipe
