@@ -39,7 +39,13 @@ from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
-from utils.models import disable_dropout, freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.models import (
+    adapters_disabled,
+    disable_dropout,
+    freeze_vision_tower,
+    load_model_and_processor,
+    prepare_for_training,
+)
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.rollout import (
     completion_seeds,
@@ -684,7 +690,7 @@ class MixGRPOModel(torch.nn.Module):
         out = {}
         if text is not None:
             if reference:
-                with torch.no_grad(), self.text.model.disable_adapter():
+                with torch.no_grad(), adapters_disabled(self.text.model):  # the frozen tower's LoRA stays frozen
                     out["text"] = self.text(*text)
             else:
                 out["text"] = self.text(*text)

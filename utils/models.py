@@ -4,6 +4,7 @@ gradient checkpointing)."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -253,6 +254,29 @@ def prepare_for_training(model, cfg):
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
     return model
+
+
+@contextmanager
+def adapters_disabled(module):
+    """Run `module` on its base weights: peft LoRA layers off (the reference of a LoRA run). The flag is set
+    directly: peft's disable_adapter() turns the adapters back on with set_adapter(), which makes every adapter
+    weight trainable again, the frozen vision tower's LoRA included (an optimizer may hold some, not others)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+def has_adapters(module):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
 
 
 def disable_dropout(model):
