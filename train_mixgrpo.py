@@ -42,7 +42,6 @@ from utils.losses import clipped_policy_loss
 from utils.models import (
     adapters_disabled,
     disable_dropout,
-    freeze_vision_tower,
     load_model_and_processor,
     prepare_for_training,
 )
@@ -582,9 +581,7 @@ def build_policy(cfg, vlm_path, gen_path, device):
     model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
-    model = prepare_for_training(model, cfg)
-    if cfg.use_peft and cfg.freeze_vision_tower:  # LoRA's all-linear wraps the vision tower too: freeze those
-        freeze_vision_tower(model)
+    model = prepare_for_training(model, cfg)  # with --freeze_vision_tower, its LoRA too
     if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
         disable_dropout(model)
     if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text

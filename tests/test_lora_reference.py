@@ -1,4 +1,7 @@
-"""The reference pass of a LoRA run (adapters off) leaves every adapter weight's requires_grad as it was. peft's
+"""LoRA and the frozen vision tower. --freeze_vision_tower with --use_peft freezes the tower's adapters too (all-linear
+LoRA wraps it): train_grpo.py and train_sft.py trained them, only train_mixgrpo.py froze them.
+
+The reference pass of a LoRA run (adapters off) leaves every adapter weight's requires_grad as it was. peft's
 disable_adapter() turns the adapters back on with set_adapter(), which marks every adapter weight trainable: the
 frozen vision tower's LoRA (--use_peft --freeze_vision_tower, every r3_* recipe) came back trainable after the first
 KL pass, outside the optimizer, so ZeRO-3 saved it nowhere and the resume failed on it (a KeyError in DeepSpeed's
@@ -73,3 +76,21 @@ def test_mixgrpo_text_reference_keeps_frozen_adapters_frozen(lora_llm):
     gen = types.SimpleNamespace(transformer=nn.Linear(2, 2))
     mix = tm.MixGRPOModel(_Policy(lora_llm), gen)
     _check_reference(lora_llm, lambda ids: mix(text=(ids,), reference=True)["text"])
+
+
+@pytest.mark.parametrize("projector", [False, True])
+def test_freeze_vision_tower_with_lora_freezes_the_towers_adapters(projector):
+    from tiny.cache import tiny_vlm_path
+    from utils.models import load_model_and_processor, prepare_for_training
+
+    model, _ = load_model_and_processor(tiny_vlm_path(), freeze_vision_tower=True)
+    cfg = types.SimpleNamespace(gradient_checkpointing=False, use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0,
+                                lora_target_modules=["all-linear"], freeze_vision_tower=True,
+                                freeze_multi_modal_projector=projector)
+    model = prepare_for_training(model, cfg)
+    trainable = _trainable(model)
+    assert any(".language_model." in n and "lora_" in n for n in trainable)  # the LM's LoRA trains
+    tower = {n for n in trainable if ".visual." in n and ".merger." not in n}
+    assert not tower, sorted(tower)[:3]
+    merger = {n for n in trainable if ".visual.merger." in n}
+    assert (not merger) if projector else merger  # the projector's LoRA trains unless it is frozen too
