@@ -264,8 +264,9 @@ def test_r3_recipe_trains_checkpoints_and_resumes_with_the_text_ratio_at_one(nam
     assert first[0]["reason/ratio_max_dev_text"] < 1e-5, first[0]
     assert first[1]["reflect/ratio_max_dev_text"] < 1e-5, first[1]
     run, resumed = tmp_path / "run" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2"
-    lora = "generator_lora/pytorch_lora_weights.safetensors"
-    assert _max_diff(tmp_path / "run" / "checkpoint-1", run, lora) > 1e-8  # step 2 trained the generator's LoRA
+    if name == "r3_geneval":  # the server's scores vary with every pixel: step 2 trained the generator's LoRA
+        lora = "generator_lora/pytorch_lora_weights.safetensors"  # (a random judge's verdicts give no advantages)
+        assert _max_diff(tmp_path / "run" / "checkpoint-1", run, lora) > 1e-8
     _same_weights(run, resumed, "adapter_model.safetensors")  # the VLM's LoRA
     for part in ("generator_lora", "edit_generator_lora"):  # the generators' LoRA (each written at every save)
         _same_weights(run / part, resumed / part, "pytorch_lora_weights.safetensors")
