@@ -37,7 +37,12 @@ from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
 from utils.losses import clipped_policy_loss
-from utils.models import disable_dropout, freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.models import (
+    adapters_disabled,
+    disable_dropout,
+    load_model_and_processor,
+    prepare_for_training,
+)
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.r3_format import (
     REASON_PROMPT,
@@ -528,9 +533,7 @@ def build_policy(cfg, vlm_path, gen_path, device):
     model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
-    model = prepare_for_training(model, cfg)
-    if cfg.use_peft and cfg.freeze_vision_tower:  # LoRA's all-linear wraps the vision tower too: freeze those
-        freeze_vision_tower(model)
+    model = prepare_for_training(model, cfg)  # with --freeze_vision_tower, its LoRA too
     if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
         disable_dropout(model)
     if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
@@ -639,7 +642,7 @@ class MixGRPOModel(torch.nn.Module):
         out = {}
         if text is not None:
             if reference:
-                with torch.no_grad(), self.text.model.disable_adapter():
+                with torch.no_grad(), adapters_disabled(self.text.model):  # the frozen tower's LoRA stays frozen
                     out["text"] = self.text(*text)
             else:
                 out["text"] = self.text(*text)

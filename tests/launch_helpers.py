@@ -2,6 +2,7 @@
 YAML), a plain `python script.py`, the flag list of a config, waiting for a run to finish, and SIGKILLing one at a
 checkpoint. Every launch gets its own session, so a SIGKILL reaches the launcher and every worker it started."""
 
+import hashlib
 import os
 import signal
 import socket
@@ -14,8 +15,16 @@ BIN = os.path.dirname(sys.executable)
 ACCELERATE = os.path.join(BIN, "accelerate")
 
 
+# DeepSpeed's CPU accelerator JIT-builds its shared-memory op into TORCH_EXTENSIONS_DIR, and the build files name
+# the venv's paths: two venvs sharing the default folder (a CI copy and a checkout) rebuild it in turn, minutes
+# each. One folder per venv.
+EXTENSIONS = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions",
+                          "venv-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])
+
+
 def _popen(cmd, env=None):
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    base = {"OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS)}
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **base, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from utils.flow_sde import ode_step, sde_std_t, sde_step_from_std
+from utils.models import adapters_disabled, has_adapters  # noqa: F401 (flow_adapters imports them from here)
 
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -133,28 +134,6 @@ class FlowSample:
     timesteps: torch.Tensor
     sigmas: torch.Tensor  # the schedule, with the terminal 0
     noise: torch.Tensor  # the initial latents
-
-
-@contextmanager
-def adapters_disabled(module):
-    """Run `module` on its base weights: peft LoRA layers off. The flag is set directly so that, unlike peft's
-    disable_adapter(), requires_grad of the adapter weights is left alone (an optimizer may hold them)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
-    for m in layers:
-        m._disable_adapters = True
-    try:
-        yield
-    finally:
-        for m in layers:
-            m._disable_adapters = False
-
-
-def has_adapters(module):
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
 
 
 def absent_components(name_or_path, components=None):

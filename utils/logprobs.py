@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from kernels import fused_token_logprobs
-from utils.models import activation_checkpointing_on
+from utils.models import activation_checkpointing_on, adapters_disabled
 from utils.rollout import cache_kwargs, check_features_match_tokens
 
 
@@ -171,7 +171,7 @@ class AdapterDisabledReference(nn.Module):
 
     def forward(self, *args, **kwargs):
         policy = self._policy[0]
-        with self._accelerator.unwrap_model(policy).model.disable_adapter():
+        with adapters_disabled(self._accelerator.unwrap_model(policy).model):  # requires_grad left as it is
             return policy(*args, **kwargs)
 
 

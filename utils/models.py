@@ -4,6 +4,7 @@ gradient checkpointing)."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -242,7 +243,8 @@ def activation_checkpointing_on(model) -> bool:
 
 def prepare_for_training(model, cfg):
     """Gradient checkpointing and LoRA as the train scripts' flags ask (`gradient_checkpointing`,
-    `use_peft`, `lora_r`, `lora_alpha`, `lora_dropout`, `lora_target_modules`); returns the model to train."""
+    `use_peft`, `lora_r`, `lora_alpha`, `lora_dropout`, `lora_target_modules`); returns the model to train. With LoRA,
+    `freeze_vision_tower` / `freeze_multi_modal_projector` (where the config has them) freeze those parts' adapters."""
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
         model.config.use_cache = False
@@ -252,7 +254,33 @@ def prepare_for_training(model, cfg):
         targets = cfg.lora_target_modules[0] if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
+        projector = getattr(cfg, "freeze_multi_modal_projector", False)
+        if getattr(cfg, "freeze_vision_tower", False) or projector:  # all-linear LoRA wraps the tower too: frozen
+            freeze_vision_tower(model, include_projector=projector)
     return model
+
+
+@contextmanager
+def adapters_disabled(module):
+    """Run `module` on its base weights: peft LoRA layers off (the reference of a LoRA run). The flag is set
+    directly: peft's disable_adapter() turns the adapters back on with set_adapter(), which makes every adapter
+    weight trainable again, the frozen vision tower's LoRA included (an optimizer may hold some, not others)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+def has_adapters(module):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
 
 
 def disable_dropout(model):
