@@ -102,7 +102,7 @@ def _plain_forward_logprobs(model, batch, ids, mask, **override):
 
 
 @torch.no_grad()
-def test_video_log_probs_shared_and_unshared_equal_a_plain_forward_with_video_timing(media, qwen):
+def test_video_log_probs_shared_unshared_and_packed_equal_a_plain_forward_with_video_timing(media, qwen):
     from utils.logprobs import CompletionLogProbs, can_share_prompts
 
     _, model, processor = qwen
@@ -117,6 +117,10 @@ def test_video_log_probs_shared_and_unshared_equal_a_plain_forward_with_video_ti
     together = scorer(shared, ids, mask, prompt_index=index)
     torch.testing.assert_close(unshared * mask, reference, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(together * mask, reference, atol=2e-5, rtol=1e-4)
+    # padding-free: each packed prompt's rope reads its own video grid and timing
+    packed = CompletionLogProbs(model, padding_free=True).eval()
+    torch.testing.assert_close(packed(expanded, ids, mask) * mask, reference, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(packed(shared, ids, mask, prompt_index=index) * mask, reference, atol=2e-5, rtol=1e-4)
     # the timing is in the rope: other second_per_grid_ts give other log-probs, so the equalities above need it
     retimed = _plain_forward_logprobs(model, expanded, ids, mask,
                                       second_per_grid_ts=expanded["second_per_grid_ts"] * 4)

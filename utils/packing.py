@@ -159,20 +159,48 @@ def _side_inputs(batch):
     return per_token, rest
 
 
-def _grids_of_rows(grid_thw, mm_token_type_ids, rows):
-    """The image_grid_thw rows of each of `rows`' prompts: a prompt's images are its runs of image tokens (type 1),
-    its grids the next that many rows of grid_thw."""
-    image = (mm_token_type_ids == 1).int()
-    runs = image[:, 0] + (image[:, 1:] > image[:, :-1]).sum(1)
-    chunks = grid_thw.split(runs.tolist())
-    return torch.cat([chunks[i] for i in rows.tolist()])
+def _grids_of_rows(grid_thw, tokens_per_prompt, rows, merge, per_grid=None):
+    """The grid rows (of image_grid_thw or video_grid_thw) of each of `rows`' prompts, in order, and the same rows
+    of `per_grid` (second_per_grid_ts, one value per video) when given. A prompt's grids are the next rows of
+    grid_thw whose token counts (t * h * w / merge^2) add up to its count of that modality's tokens: family-agnostic
+    (Qwen3-VL writes a video's frames as separate runs of tokens, Qwen2.5-VL as one)."""
+    sizes = (grid_thw.prod(-1) // (merge * merge)).tolist()
+    starts, k = [], 0
+    for n in tokens_per_prompt.tolist():
+        start, total = k, 0
+        while total < n:
+            total, k = total + sizes[k], k + 1
+        if total != n:
+            raise ValueError(f"padding_free: a prompt holds {n} vision tokens, which its grids do not add up to")
+        starts.append((start, k))
+    take = [j for r in rows.tolist() for j in range(*starts[r])]
+    chosen = grid_thw[take]
+    if per_grid is None:
+        return chosen, None
+    return chosen, torch.as_tensor(per_grid)[take]
 
 
 def _mrope_positions(base, input_ids, mm_token_type_ids, attention_mask, rest):
-    """The 3-row positions the model gives the padded batch (image tokens included): [3, B, L]."""
-    pos, _ = base.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=rest.get("image_grid_thw"),
-                                 attention_mask=attention_mask)
+    """The 3-row positions the model gives the padded batch (image and video tokens included): [3, B, L]."""
+    grids = {k: rest[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if rest.get(k) is not None}
+    pos, _ = base.get_rope_index(input_ids, mm_token_type_ids, attention_mask=attention_mask, **grids)
     return pos
+
+
+def _prompt_grids(base, rest, mm_token_type_ids, idx):
+    """Each completion's prompt's image and video grids (and video timings), in completion order."""
+    merge = base.config.vision_config.spatial_merge_size
+    grids = {}
+    for kind, token_type, timing in (("image", 1, None), ("video", 2, "second_per_grid_ts")):
+        if rest.get(f"{kind}_grid_thw") is None:
+            continue
+        counts = (mm_token_type_ids == token_type).sum(1)
+        chosen, per_grid = _grids_of_rows(rest[f"{kind}_grid_thw"], counts, idx, merge,
+                                          rest.get(timing) if timing else None)
+        grids[f"{kind}_grid_thw"] = chosen
+        if per_grid is not None:
+            grids[timing] = per_grid
+    return grids
 
 
 def packed_completion_hidden(base, prompts, prompt_index, completion_ids, completion_mask, *,
@@ -197,9 +225,7 @@ def packed_completion_hidden(base, prompts, prompt_index, completion_ids, comple
         full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
         mm = torch.cat([per_token["mm_token_type_ids"][idx],
                         per_token["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
-        grids = {}
-        if "image_grid_thw" in rest:  # each completion's prompt's image grids, in order (a prompt may hold several)
-            grids["image_grid_thw"] = _grids_of_rows(rest["image_grid_thw"], per_token["mm_token_type_ids"], idx)
+        grids = _prompt_grids(base, rest, per_token["mm_token_type_ids"], idx)  # a prompt may hold several
         full_pos = _mrope_positions(base, torch.cat([p_ids[idx], completion_ids], 1), mm, full_mask, grids)
     members = [[] for _ in range(p_ids.shape[0])]
     for i, p in enumerate(idx.tolist()):
