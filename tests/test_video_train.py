@@ -168,3 +168,40 @@ def test_train_grpo_on_video_rows_with_a_reference_model_and_video_evaluation(me
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
     assert all(m["kl"] >= 0 for m in metrics if "kl" in m)
     assert json.loads((tmp_path / "train_summary.json").read_text())["heldout_samples_after"] == 2
+
+
+@torch.no_grad()
+def test_qwen3_vl_video_timestamps_log_probs_and_the_cut_video_guard(media, family_models):
+    """Qwen3-VL writes a timestamp before each temporal step of a video (from the clip's frame indices and sampled
+    rate): its prompts encode, their log-probs (padded and packed) equal a plain forward, and a cut video is named."""
+    from utils.errors import InputError
+    from utils.logprobs import CompletionLogProbs
+    from utils.prompts import build_messages
+    from utils.rollout import encode_prompts
+    from utils.video import budget_for, check_video_tokens, load_clips
+
+    model, processor = family_models("qwen3_vl")
+    budget = budget_for(processor, fps=2.0, max_frames=4, min_pixels=32 * 32, max_pixels=64 * 64)
+    clips = load_clips([[str(media / "clip.mp4")], [str(media / "slow.mp4")]], budget)
+    messages = [build_messages(q, num_images=0, num_videos=1, template="plain") for q in ("Which way?", "And now?")]
+    index = [0, 0, 1, 1]
+    batch = encode_prompts(processor, [messages[i] for i in index], [[] for _ in index],
+                           sample_ids=[str(i) for i in index], videos=[clips[i] for i in index])
+    text = processor.tokenizer.decode(batch["input_ids"][0])
+    # each temporal step (2 frames) is stamped with its frames' mean time at the sampled rate
+    rate = clips[0][0].sampled_fps
+    assert f"<{0.5 / rate:.1f} seconds>" in text and f"<{2.5 / rate:.1f} seconds>" in text, text
+    ids, mask = _completions(processor)
+    reference = _plain_forward_logprobs(model, batch, ids, mask)
+    for padding_free in (False, True):
+        logps = CompletionLogProbs(model, padding_free=padding_free).eval()(batch, ids, mask)
+        torch.testing.assert_close(logps * mask, reference, atol=2e-5, rtol=1e-4)
+    # the guard: both temporal steps whole pass; the last step's tokens cut short (or one step dropped) is named
+    row = batch["input_ids"][:1]
+    check_video_tokens(processor, row, batch["video_grid_thw"][:1], [clips[0]], ["0"])
+    video = (row[0] == processor.video_token_id).nonzero().squeeze(1)
+    for cut in (video[-1:], video[-video.numel() // 2:]):
+        keep = torch.ones(row.shape[1], dtype=torch.bool)
+        keep[cut] = False
+        with pytest.raises(InputError, match=r"sample '0': video tokens .* do not match its videos"):
+            check_video_tokens(processor, row[:, keep], batch["video_grid_thw"][:1], [clips[0]], ["0"])

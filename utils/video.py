@@ -282,8 +282,10 @@ def processor_video_kwargs(clips: list[Clip]) -> dict:
 
     if not clips:
         return {}
+    # frames_indices over the sampled frames at the sampled rate: Qwen3-VL writes each frame's timestamp (index / fps,
+    # seconds from the clip's start) into the prompt; Qwen2.5-VL's second_per_grid_ts reads the same rate
     metadata = [VideoMetadata(total_num_frames=len(c.indices), fps=c.sampled_fps, height=c.frames.shape[2],
-                              width=c.frames.shape[3]) for c in clips]
+                              width=c.frames.shape[3], frames_indices=list(range(len(c.indices)))) for c in clips]
     return {"videos": [c.frames for c in clips],
             "videos_kwargs": {"video_metadata": metadata, "do_sample_frames": False, "do_resize": False,
                               "return_metadata": True, "cap_pixels_per_frame": False}}
@@ -316,16 +318,19 @@ def video_token_runs(input_ids, video_token_id: int) -> list[list[int]]:
 
 
 def check_video_tokens(processor, input_ids, video_grid_thw, clips_per_row, sample_ids) -> None:
-    """The video-token guard: every row holds, in order, one run of exactly the tokens each of its videos expands
-    to. A cut video (a prompt cut inside it), a repeated or a missing one is an error naming the sample and video."""
+    """The video-token guard: every row holds, in order, exactly the tokens each of its videos expands to, as one
+    run per video (Qwen2.5-VL) or one run per temporal grid step (Qwen3-VL, which puts a timestamp before each).
+    A cut video (a prompt cut inside it), a repeated or a missing one is an error naming the sample and video."""
     video_token_id = getattr(processor, "video_token_id", None)
     if video_token_id is None:
         return
     merge = int(getattr(processor.video_processor, "merge_size", 1)) ** 2
     grids = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
     for sid, runs, clips in zip(sample_ids, video_token_runs(input_ids, video_token_id), clips_per_row):
-        expected = [math.prod(next(grids)) // merge for _ in clips]
-        if runs != expected:
+        thw = [next(grids) for _ in clips]
+        expected = [math.prod(g) // merge for g in thw]
+        per_step = [g[1] * g[2] // merge for g in thw for _ in range(g[0])]
+        if runs not in (expected, per_step):
             sources = ", ".join(c.source for c in clips) or "none"
             raise InputError(f"sample {sid!r}: video tokens {runs} do not match its videos {expected} "
                              f"(videos: {sources}); a video cut by a length limit or a repeated/missing <video> "
