@@ -73,7 +73,7 @@ class GRPOConfig:
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
     dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
     attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
-    freeze_vision_tower: bool = False  # freeze the vision encoder (its projector stays trainable)
+    freeze_vision_tower: bool = False  # freeze the vision encoder, its LoRA too (its projector stays trainable)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     padding_free: Optional[bool] = field(default=None, metadata={"help": (
         "training log-prob passes pack the step's sequences end to end without padding (TRL's flag); none: where "

@@ -92,7 +92,7 @@ class MixGRPOConfig:
                                help="the image model reads the VLM's base weights (no grad), the policy as it trains, "
                                     "or its pipeline's own frozen text encoder (a VLM other than the policy)")
     attn_implementation: Optional[str] = None  # VLM attention: sdpa, eager, flash_attention_2; none: the default
-    freeze_vision_tower: bool = False  # freeze the VLM's vision encoder
+    freeze_vision_tower: bool = False  # freeze the VLM's vision encoder, its LoRA too
     gradient_checkpointing: bool = False  # recompute activations of both parts in backward
     use_peft: bool = False  # LoRA on the VLM (its reference is then the VLM with adapters off)
     lora_r: int = 16  # VLM LoRA rank

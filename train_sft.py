@@ -51,7 +51,7 @@ class SFTConfig:
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
     dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
     attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
-    freeze_vision_tower: bool = False  # freeze the vision encoder (its projector stays trainable)
+    freeze_vision_tower: bool = False  # freeze the vision encoder, its LoRA too (its projector stays trainable)
     freeze_multi_modal_projector: bool = field(default=False,
                                                metadata={"help": "also freeze the vision-to-LM projector"})
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
