@@ -126,7 +126,7 @@ def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length
     tokenizer.padding_side = "left"
     try:
         batch = processor(**kwargs)
-    except (ValueError, IndexError, RuntimeError) as err:
+    except (ValueError, IndexError, RuntimeError, StopIteration) as err:  # older processors: StopIteration
         raise_for_sample(processor, sample_ids, texts, images, err, videos=videos)
     finally:
         tokenizer.padding_side = previous_side
@@ -151,8 +151,12 @@ def raise_for_sample(processor, sample_ids, texts, images, err, videos=None):
     fails alone."""
     for k, (sid, text, imgs) in enumerate(zip(sample_ids, texts, images)):
         try:
-            processor(text=[text], **({"images": [list(imgs)]} if imgs else {}),
-                      **processor_video_kwargs(videos[k] if videos else []))
+            single = processor(text=[text], **({"images": [list(imgs)]} if imgs else {}),
+                               **processor_video_kwargs(videos[k] if videos else []))
+            if videos is not None:  # some processors leave a placeholder without its video unexpanded
+                grid = single.get("video_grid_thw")
+                check_video_tokens(processor, torch.as_tensor(single["input_ids"]),
+                                   None if grid is None else torch.as_tensor(grid), [videos[k]], [sid])
         except Exception as single_err:  # noqa: BLE001 - re-raised with the sample id
             raise InputError(f"sample {sid!r}: image tokens and images do not match: {single_err}") from err
     raise err
