@@ -167,11 +167,11 @@ def _micro_recipe(distill_world, tmp_path):
         evaluate=dict(metrics=["accuracy", "keywords"], max_new_tokens=16, batch_size=8, cpu_threads=1))
 
 
-# One cycle in the fast tier (the kill, the resume, every stage once); two in the full tier (cycle 2's data mix and
-# its SFT from the base model).
+# One cycle here (the kill, the resume, every stage once); two cycles run in the full tier's
+# tests/test_iterate_pick.py (cycle 2's data mix, its SFT from the base model, the cross-cycle claims).
 @pytest.mark.slow
-@pytest.mark.parametrize("cycles", [1, pytest.param(2, marks=pytest.mark.full)])
-def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp_path, cycles):
+def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp_path):
+    cycles = 1
     recipe = tmp_path / "cycles.yaml"
     recipe.write_text(yaml.safe_dump(dict(_micro_recipe(distill_world, tmp_path), num_cycles=cycles)))
     run = tmp_path / "run"
@@ -194,16 +194,11 @@ def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp
     for cycle in report["cycles"]:
         assert set(cycle["stages"]) == {"sft", "grpo-medium", "grpo-hard"}
         assert all(0.0 <= s["accuracy"] <= 1.0 for s in cycle["stages"].values())
-    if cycles == 2:
-        assert report["cycles"][1]["data"]["mix"]["from_previous"] == 3
     # the cross-cycle claims exist only when there is a previous cycle to compare with
-    cross_cycle = {"last_rl_above_first_rl", "rl_above_previous_cycle_rl"} if cycles > 1 else set()
-    assert set(report["claims"]) == {"each_sft_above_base"} | cross_cycle
+    assert set(report["claims"]) == {"each_sft_above_base"}
     assert (run / "report.png").exists()
     # every stage ran through its own recipe, the SFT of every cycle from the base model
     base = yaml.safe_load((run / "cycle-1" / "sft" / "recipe.yaml").read_text())["model_name_or_path"]
     assert base == yaml.safe_load(recipe.read_text())["base_model"]
-    if cycles == 2:
-        assert base == yaml.safe_load((run / "cycle-2" / "sft" / "recipe.yaml").read_text())["model_name_or_path"]
     hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
     assert hard["model_name_or_path"].startswith(str(run / "cycle-1" / "grpo-medium" / "checkpoint-"))

@@ -156,6 +156,12 @@ def test_two_real_cycles_with_validation_picks_and_served_regeneration_on_requir
             assert f"{stage} picked step {pick['step']}" in out.stdout
     hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
     assert hard["model_name_or_path"] == report["cycles"][0]["picked"]["grpo-medium"]["best_checkpoint"]
+    # cycle 2: half its SFT rows kept from cycle 1, its SFT from the base model, the cross-cycle claims
+    assert report["cycles"][1]["data"]["mix"]["from_previous"] == 3
+    assert set(report["claims"]) == {"each_sft_above_base", "last_rl_above_first_rl", "rl_above_previous_cycle_rl"}
+    for cycle in ("cycle-1", "cycle-2"):
+        sft = yaml.safe_load((run / cycle / "sft" / "recipe.yaml").read_text())
+        assert sft["model_name_or_path"] == values["base_model"]
     regenerate = yaml.safe_load((run / "cycle-2" / "data" / "new" / "recipe.yaml").read_text())
     assert regenerate["model"] == report["cycles"][0]["picked"]["grpo-hard"]["best_checkpoint"]
     assert regenerate["model_serve"] and (run / "cycle-2" / "data" / "new" / "model_server.log").exists()
