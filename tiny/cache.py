@@ -239,11 +239,11 @@ def tiny_generator_path(**overrides):
     import subprocess
     import sys
 
-    from tiny.generator import TinyGeneratorConfig
+    from tiny.generator_config import TinyGeneratorConfig
 
     cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
     # which text states condition it: the template's system prompt dropped as counted by the tokenizer
-    # (utils.flow_adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
+    # (utils.flow.adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
     spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder), "template_drop": "tokenizer"}
     if cfg.text_encoder in TINY_MODELS:  # build the VLM here, so the child only reads the cache
         TINY_MODELS[cfg.text_encoder]()
@@ -264,3 +264,22 @@ def resolve_tiny(cfg, accelerator):
         model = resolve_tiny_name(cfg.model_name_or_path)
         data = shapes_dataset_path() if cfg.dataset_name == TINY_DATASET else cfg.dataset_name
     return model, data
+
+
+def resolve_tiny_t2i(cfg, accelerator):
+    """Mix-GRPO's (VLM path, generator path, train prompts, held-out prompts), building the tiny pieces on the main
+    process first: 'tiny' is the pre-trained tiny Qwen-Image generator (tiny/generator.py) and the VLM it was
+    trained to read (tiny-planner); 'tiny' prompt files are synthetic shapes_t2i prompts."""
+    from utils.config import ConfigError
+
+    if cfg.generator_name_or_path == TINY_MODEL and cfg.conditioning != "generator":
+        # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
+        raise ConfigError(f"--generator_name_or_path tiny reads its own text encoder (the untrained tiny VLM): "
+                          f"use --conditioning generator, not {cfg.conditioning}")
+    with accelerator.main_process_first():
+        gen = tiny_generator_path() if cfg.generator_name_or_path == TINY_MODEL else cfg.generator_name_or_path
+        vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path)
+        paths = []
+        for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
+            paths.append(tiny_t2i_prompts(n, seed) if value == TINY_MODEL else value)
+    return vlm, gen, paths[0], paths[1]
