@@ -68,7 +68,7 @@ from utils.rollout import (
 )
 from utils.samplers import SeededSampler
 from utils.t2i_data import load_prompts
-from utils.tracking import RunLogger, peak_memory_mb, write_summary
+from utils.tracking import RunLogger, peak_memory_mb, tracker_list, write_summary
 from utils.zero3 import clear_stale_zero3_gradients
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -483,7 +483,7 @@ def main(cfg: MixGRPOConfig):
     # Without a GPU: cpu=True, except under a DeepSpeed config (DS_ACCELERATOR=cpu; utils.launch says why).
     device_kwargs = accelerator_device_kwargs()
     handlers = device_kwargs.pop("kwargs_handlers", []) + [DistributedDataParallelKwargs(find_unused_parameters=True)]
-    accelerator = Accelerator(**device_kwargs, mixed_precision="no", log_with=_trackers(cfg.report_to),
+    accelerator = Accelerator(**device_kwargs, mixed_precision="no", log_with=tracker_list(cfg.report_to),
                               project_dir=cfg.output_dir, kwargs_handlers=handlers)
     validate(cfg, accelerator.num_processes)
     set_cpu_threads(cfg.cpu_threads)
@@ -803,12 +803,6 @@ def load_buffer(folder):
     return {pool: [dict(id=e["id"], row=e["row"], score=e["score"],
                         image=Image.fromarray(px.numpy()))
                    for e, px in zip(meta[pool], pixels[pool])] for pool in BUFFER_POOLS}
-
-
-def _trackers(report_to):
-    from utils.tracking import tracker_list
-
-    return tracker_list(report_to)
 
 
 if __name__ == "__main__":

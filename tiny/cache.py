@@ -45,7 +45,7 @@ def _key(spec):
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def _cached(name, spec, build):
+def cached(name, spec, build):
     """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename; a failed
     build leaves nothing behind)."""
     path = os.path.join(CACHE_DIR, f"{name}-{_key(spec)}")
@@ -69,13 +69,13 @@ def _cached(name, spec, build):
 def tiny_vlm_path():
     from tiny.models import make_tiny_vlm
 
-    return _cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
+    return cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
 
 
 def tiny_llm_path():
     from tiny.models import make_tiny_llm
 
-    return _cached("tiny-llm", TINY_LLM, lambda out: make_tiny_llm(out, **TINY_LLM))
+    return cached("tiny-llm", TINY_LLM, lambda out: make_tiny_llm(out, **TINY_LLM))
 
 
 def shapes_dataset_path():
@@ -86,7 +86,7 @@ def shapes_dataset_path():
     def build(out):
         DatasetDict({split: make_shapes_vqa(**spec) for split, spec in SHAPES_SPLITS.items()}).save_to_disk(out)
 
-    return _cached("shapes", SHAPES_SPLITS, build)
+    return cached("shapes", SHAPES_SPLITS, build)
 
 
 def _trained(name, recipe, spec, args=()):
@@ -151,7 +151,7 @@ def _sharegpt_folder(name, spec, make_rows):
         train = load_table(shapes_dataset_path(), split="train")
         save_sharegpt(make_rows([train[i] for i in range(len(train))]), out)
 
-    return _cached(name, spec, build)
+    return cached(name, spec, build)
 
 
 def tiny_base_path():
@@ -182,7 +182,7 @@ def tiny_t2i_prompts(n, seed):
     """A cached prompts.jsonl of `n` tiny text-to-image rows (tiny.t2i.make_t2i_prompts with `seed`)."""
     from tiny.t2i import make_t2i_prompts, write_jsonl
 
-    folder = _cached(f"t2i-prompts-{seed}", dict(n=n, seed=seed), lambda out: write_jsonl(
+    folder = cached(f"t2i-prompts-{seed}", dict(n=n, seed=seed), lambda out: write_jsonl(
         make_t2i_prompts(n, seed=seed), os.path.join(out, "prompts.jsonl")))
     return os.path.join(folder, "prompts.jsonl")
 
@@ -202,8 +202,8 @@ def tiny_planner_path():
         rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])
         save_sharegpt(t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"]), out)
 
-    data = _cached("plans", spec, build)
-    base = _cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
+    data = cached("plans", spec, build)
+    base = cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
     return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", base,
                                                                  "--dataset_name", data])
 
@@ -255,7 +255,7 @@ def tiny_generator_path(**overrides):
         subprocess.run([sys.executable, "-m", "tiny.generator", "--output_dir", out, *flags], check=True, cwd=REPO,
                        env=env)
 
-    return _cached(TINY_GENERATOR, spec, build)
+    return cached(TINY_GENERATOR, spec, build)
 
 
 def resolve_tiny(cfg, accelerator):

@@ -29,10 +29,6 @@ def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processo
     return tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
 
 
-def score_heldout(cfg, reward_fn, texts, images, batch_rows):
-    return score_images(cfg, reward_fn, texts, images, batch_rows).tolist()  # NaN: unscored
-
-
 def scored_mean(values):
     """Mean over the values that are not NaN (unscored images), NaN when there are none."""
     kept = [v for v in values if not math.isnan(v)]
@@ -86,7 +82,7 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
             out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
                          guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
                          shift=cfg.timestep_shift, latents=noise, output_type="pil")
-            scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
+            scores = score_images(cfg, reward_fn, texts, out.images, batch_rows).tolist()  # NaN: unscored
             details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
             for d, r in zip(details, batch_rows):
                 d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
@@ -100,7 +96,7 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                         noise_offset=offset + (n - 1) * 104729, **generate)  # each round its own noise
                     stopped = [a or b for a, b in zip(stopped, no_edit)]
                     images = [im if stop else new for im, new, stop in zip(images, candidates, stopped)]
-                    new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
+                    new_scores = score_images(cfg, reward_fn, reflections, images, batch_rows).tolist()
                     if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
                         for d, a, b in zip(details, prev, new_scores):
                             d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
