@@ -32,7 +32,7 @@ import torch
 from tiny.cache import TINY_DATASET, shapes_dataset_path
 from utils.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.config import choice, config_to_dict, parse_config
-from utils.data import load_vqa, render_question, videos_of
+from utils.data import load_vqa, render_question
 from utils.errors import exit_on_bad_input
 from utils.evaluation import generate_answers, generate_answers_remote
 from utils.keywords import compare_keywords, keyword_frequencies, load_texts
@@ -48,7 +48,7 @@ from utils.scoring import (
     parse_completion,
     resolve_embedding_model,
 )
-from utils.video import budget_from_config, check_config_video_flags, video_flag
+from utils.video import budget_from_config, check_config_video_flags, video_flag, videos_of
 
 METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")

@@ -27,7 +27,7 @@ from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
-from utils.data import images_of, load_vqa, videos_of
+from utils.data import images_of, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, weighted_rewards
@@ -52,7 +52,7 @@ from utils.rollout import (
 )
 from utils.samplers import CurriculumSampler
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
-from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag
+from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
 from utils.vllm_rollout import (
     IS_MODES,
     VLLMRollout,

@@ -14,7 +14,6 @@ steps' log-probs + the image KL) get their own advantages and weights. The VLM a
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -27,22 +26,27 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, gather_object, set_seed
 from transformers import get_scheduler
 
-from rewards import get_reward
+from kernels import group_advantages
+from tiny.cache import resolve_tiny_t2i
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.errors import InputError, exit_on_bad_input
-from utils.flow_generators import Guidance, SDEStep, has_adapters, load_flow_generator, sample, step_logprob
-from utils.flow_sde import image_kl
+from utils.flow.generators import Guidance, SDEStep, sample
+from utils.flow.sde import image_kl
 from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
-from utils.logprobs import CompletionLogProbs, hf_core, prepare_reference_model
+from utils.logprobs import prepare_reference_model
 from utils.losses import clipped_policy_loss
-from utils.models import (
-    adapters_disabled,
-    disable_dropout,
-    load_model_and_processor,
-    prepare_for_training,
+from utils.mixgrpo_eval import evaluate_reason, heldout_lines, heldout_summary
+from utils.mixgrpo_model import (
+    MixGRPOModel,
+    build_edit_generator,
+    build_policy,
+    check_generators,
+    edit_guidance,
+    image_condition,
 )
+from utils.models import has_adapters
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.r3_format import (
     REASON_PROMPT,
@@ -53,6 +57,7 @@ from utils.r3_format import (
     reflection_of,
     user_message,
 )
+from utils.reward_calls import build_image_reward, score_images
 from utils.rollout import (
     completion_seeds,
     encode_prompts,
@@ -62,8 +67,8 @@ from utils.rollout import (
     unwrap_for_generation,
 )
 from utils.samplers import SeededSampler
-from utils.t2i_data import load_geneval, load_tiif
-from utils.tracking import RunLogger, peak_memory_mb, write_summary
+from utils.t2i_data import load_prompts
+from utils.tracking import RunLogger, peak_memory_mb, tracker_list, write_summary
 from utils.zero3 import clear_stale_zero3_gradients
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -85,7 +90,7 @@ class MixGRPOConfig:
         "help": "the refine stage's generator (a Qwen-Image-Edit or Edit Plus folder or hub name, beside a Qwen-Image "
                 "generator), with its own LoRA; none: the reason stage's generator refines too"})
     generator_kwargs: dict = field(default_factory=dict, metadata={
-        "help": "JSON options of the generator's adapter (utils/flow_adapters.py), e.g. FLUX.2 Klein's "
+        "help": "JSON options of the generator's adapter (utils/flow/adapters.py), e.g. FLUX.2 Klein's "
                 "{\"text_encoder_out_layers\": [9, 18, 27]}"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
     conditioning: str = choice("base", "policy", "generator",
@@ -135,7 +140,7 @@ class MixGRPOConfig:
     num_timesteps_gen: int = 20  # flow steps of the reason stage's image
     enable_sde_gen: bool = True  # one SDE step per rollout (trained); off: ODE only, the image part is not trained
     noise_level_gen: float = 0.7  # SDE noise level a of the reason stage
-    noise_cap: str = choice("flow_grpo", "r3", help="std_t rule at sigma = 1 (utils/flow_sde.py)")
+    noise_cap: str = choice("flow_grpo", "r3", help="std_t rule at sigma = 1 (utils/flow/sde.py)")
     cfg_scale_gen: float = 4.0  # text classifier-free guidance of the reason stage's image
     cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
     negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
@@ -257,67 +262,6 @@ def validate(cfg, num_processes):
         raise ConfigError("--push_to_hub needs --hub_model_id")
 
 
-# ---- the tiny world ----
-
-def resolve_tiny(cfg, accelerator):
-    """(VLM path, generator path, train prompts, held-out prompts), building the tiny pieces once: 'tiny' is the
-    pre-trained tiny Qwen-Image generator (tiny/generator.py) and the VLM it was trained to read (tiny-planner)."""
-    from tiny.cache import TINY_PLANNER_MODEL, resolve_tiny_name, tiny_generator_path, tiny_t2i_prompts
-
-    if cfg.generator_name_or_path == TINY and cfg.conditioning != "generator":
-        # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
-        raise ConfigError(f"--generator_name_or_path tiny reads its own text encoder (the untrained tiny VLM): "
-                          f"use --conditioning generator, not {cfg.conditioning}")
-    with accelerator.main_process_first():
-        gen = tiny_generator_path() if cfg.generator_name_or_path == TINY else cfg.generator_name_or_path
-        vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY else cfg.model_name_or_path)
-        paths = []
-        for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
-            paths.append(tiny_t2i_prompts(n, seed) if value == TINY else value)
-    return vlm, gen, paths[0], paths[1]
-
-
-def load_prompts(cfg, path):
-    """Prompt rows of --dataset_name's schema; a bad row is an error naming the file, the row and the column."""
-    return load_tiif(path) if cfg.dataset_name == "tiif" else load_geneval(path)
-
-
-def build_reward(cfg):
-    """The image reward of --reward_fn; server rewards get the endpoint lists (rank r: endpoint r mod n)."""
-    options = dict(cfg.reward_kwargs)
-    if cfg.reward_fn == "geneval":
-        options.setdefault("reward_server_urls", cfg.reward_server_urls)
-        options.setdefault("reward_server_port", cfg.reward_server_port)
-    elif cfg.reward_fn in ("judge_geneval_plus", "judge_tiif"):
-        from rewards.common import process_rank
-        from rewards.geneval import server_endpoints
-
-        # An OpenAI-compatible judge serves /v1 (unlike the GenEval server, which serves "/").
-        endpoint = server_endpoints(cfg.reward_server_urls, cfg.reward_server_port)
-        endpoint = endpoint[process_rank() % len(endpoint)].rstrip("/")
-        options.setdefault("base_url", endpoint if endpoint.endswith("/v1") else endpoint + "/v1")
-    return get_reward(cfg.reward_fn, **options)
-
-
-# ---- the stage reward rules ----
-
-
-
-
-
-def group_advantages(rewards, group_size, scale=False):
-    """r - mean over each group of `group_size` consecutive rollouts (the whole policy group); / std if scale.
-    Unscored rollouts (NaN) are left out of their group's mean and std and get advantage 0."""
-    r = rewards.view(-1, group_size)
-    scored = ~torch.isnan(r)
-    n = scored.sum(-1, keepdim=True)
-    mean = torch.where(scored, r, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
-    adv = torch.where(scored, r - mean, 0.0)
-    if scale:
-        adv = adv / ((adv ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt().add(1e-4)
-    return adv.reshape(-1)
-
-
 SEED_STREAMS = 8  # text, initial noise, SDE step pick, SDE noise, buffer draw; room for more
 
 
@@ -369,20 +313,6 @@ def sde_window(cfg, step):
     return list(range(start, start + size))
 
 
-def image_condition(cfg, gen, rows, texts, images=None):
-    """What the generator draws from: each row's prompt + the VLM's text (its reasoning, or its edit instruction
-    with the image to refine; then also the branch without the image that --cfg_img_scale_edit guides against)."""
-    extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}  # Qwen-Image
-    return gen.encode_condition([f"{r['prompt']}\n{text}" for r, text in zip(rows, texts)], images=images,
-                                height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt,
-                                **extra)
-
-
-def edit_guidance(cfg):
-    """The refine stage's guidance: text CFG and image CFG within --cfg_interval."""
-    return Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval), image_scale=cfg.cfg_img_scale_edit)
-
-
 def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
                   noise_level, guidance, window=None):
     """Images for each prompt's share: the group shares the initial noise and one SDE step index (uniform in
@@ -410,15 +340,6 @@ def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_s
     step_image = torch.arange(len(images)).repeat(len(steps) // len(prompt_ids)) if steps else None
     return (images, (SDEStep.cat(steps) if steps else None), torch.tensor(sde_index, dtype=torch.float32),
             step_image)
-
-
-def score_images(cfg, reward_fn, texts, images, rows):
-    """The image reward per image, every metadata column of the rows passed through. An image the reward gives no
-    score (None: e.g. a judge reply with no verdict) is NaN: left out of its group's mean and advantage (0) and
-    counted (`unscored`), never scored 0; a reward that fails raises."""
-    columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
-    scores = reward_fn(texts, images=images, **columns)
-    return torch.tensor([float("nan") if s is None else float(s) for s in scores], dtype=torch.float32)
 
 
 def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
@@ -519,157 +440,6 @@ def step_condition(roll):
     return roll["cond"].select(roll["step_image"])
 
 
-def image_logprobs(gen, cond, steps, *, reference=False):
-    """The SDE steps' (log-prob, mean, std) recomputed with the rollout's guidance (CFG kept); reference: LoRA off.
-    `cond` has one row per step (`step_condition`)."""
-    if reference:
-        with torch.no_grad(), gen.reference():
-            return step_logprob(gen, cond, steps)
-    return step_logprob(gen, cond, steps)
-
-
-def build_policy(cfg, vlm_path, gen_path, device):
-    """(VLM, processor, CompletionLogProbs(VLM), generator made trainable, its trainable parameters)."""
-    model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
-                                                freeze_vision_tower=cfg.freeze_vision_tower,
-                                                max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
-    model = prepare_for_training(model, cfg)  # with --freeze_vision_tower, its LoRA too
-    if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
-        disable_dropout(model)
-    if cfg.conditioning == "generator":  # the pipeline's own text encoder and tokenizer read the policy's text
-        hidden, components = None, own_processor(gen_path)
-    else:
-        hidden = hf_core(model).config.get_text_config().hidden_size
-        components = {"text_encoder": hf_core(model), "tokenizer": processor.tokenizer, "processor": processor}
-    gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", device, hidden=hidden,
-                                     components=components, **cfg.generator_kwargs)
-    return model, processor, CompletionLogProbs(model).to(device), gen, gen_params
-
-
-def own_processor(path):
-    """{"processor": the processor saved beside a generator folder's own text encoder} (what its edit path shows
-    the image with), or {} where there is none (a hub folder: an edit pipeline then loads its own)."""
-    folder = os.path.join(path, "processor")
-    if not os.path.isdir(folder):
-        return {}
-    from transformers import AutoProcessor
-
-    return {"processor": AutoProcessor.from_pretrained(folder)}
-
-
-# What each generator pipeline can do in the loop: read the VLM's hidden states (Qwen-Image: a Qwen2.5-VL's), refine
-# an image from an instruction (an edit path: Qwen-Image-Edit and Edit Plus, Qwen-Image 2.1's input images, FLUX.2
-# Klein's reference images; SD3 and FLUX.1 have none), and guide against the image (--cfg_img_scale_edit: the
-# image-free branch of Qwen-Image-Edit, Edit Plus and Qwen-Image 2.1).
-QWEN_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-IMAGE_CFG_PIPELINES = QWEN_PIPELINES + ("QwenImage21Pipeline",)
-EDIT_PIPELINES = IMAGE_CFG_PIPELINES + ("Flux2KleinPipeline",)
-
-
-def pipeline_class(path):
-    from diffusers import DiffusionPipeline
-
-    return DiffusionPipeline.load_config(path)["_class_name"]
-
-
-def check_generators(cfg, gen_path):
-    """The generators' pipelines against the flags, from their model_index.json, before anything loads."""
-    for flag, path in (("generator_name_or_path", gen_path),
-                       ("edit_generator_name_or_path", cfg.edit_generator_name_or_path)):
-        if path is None:
-            continue
-        name = pipeline_class(path)
-        refines = cfg.reflect_refine and (flag.startswith("edit_") or not cfg.edit_generator_name_or_path)
-        if flag.startswith("edit_") and (name not in QWEN_PIPELINES or pipeline_class(gen_path) not in QWEN_PIPELINES):
-            raise ConfigError(f"--{flag} {path}: a {name}; the refine stage's own generator must be a Qwen-Image-Edit "
-                              "(or Edit Plus) pipeline beside a Qwen-Image --generator_name_or_path (it reads that "
-                              "one's text encoder)")
-        if name not in QWEN_PIPELINES and cfg.conditioning != "generator":
-            raise ConfigError(f"--{flag} {path}: a {name} reads its own text encoders, not the VLM's states: use "
-                              f"--conditioning generator, not {cfg.conditioning}")
-        if refines and name not in EDIT_PIPELINES:
-            raise ConfigError(f"--reflect_refine: --{flag} {path} is a {name}, which has no edit path to refine an "
-                              "image from an instruction; use --reflect_refine false (or Qwen-Image, Qwen-Image 2.1, "
-                              "FLUX.2 Klein)")
-        if refines and name not in IMAGE_CFG_PIPELINES and cfg.cfg_img_scale_edit > 1:
-            raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit}: --{flag} {path} (a {name}) has no "
-                              "image-free branch to guide against; use --cfg_img_scale_edit 1")
-
-
-def load_generator(cfg, path, flag, device, *, hidden, **options):
-    """A generator from `path` (--`flag`) that reads `hidden`-dim text states (None: its own text encoder), made
-    trainable (`train_generator`), with the settings both stages share. Returns (generator, trainable parameters)."""
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    if pipeline_class(path) in QWEN_PIPELINES:  # its conditioning: the VLM's base weights or the policy
-        options["conditioning"] = "base" if cfg.conditioning == "generator" else cfg.conditioning
-    gen = load_flow_generator(path, dtype=dtype, device=device, **options)
-    if hidden is not None and gen.transformer.config.joint_attention_dim != hidden:
-        raise InputError(f"--{flag} reads {gen.transformer.config.joint_attention_dim}-dim text states but the VLM's "
-                         f"hidden size is {hidden}")
-    params = train_generator(cfg, gen)
-    if cfg.gradient_checkpointing:
-        gen.enable_gradient_checkpointing()
-    gen.cfg_batched = gen.cfg_batchable  # one transformer forward for both CFG branches, where that changes neither
-    gen.edit_area = cfg.image_size ** 2  # refine at the generated size (the edit pipeline's own: 1024 x 1024)
-    return gen, params
-
-
-class MixGRPOModel(torch.nn.Module):
-    """The two trained parts as one module: the VLM's log-prob wrapper (`text`) and the generator's transformer
-    (`image`). One DDP wrapper or one DeepSpeed engine (which takes one model) holds both, and one forward
-    computes both parts of the loss (DDP allows one forward per backward).
-
-    forward(text=(batch, ids, mask, temperature), image=(cond, steps), reference=False, edit=False) ->
-    {"text": log-probs, "image": (log-prob, mean, std)}; reference: the text with the VLM's LoRA off, the image
-    with the generator's LoRA off (no grad); edit: the image steps are the refine stage's (its own generator, when
-    --edit_generator_name_or_path gives one: `edit_image`)."""
-
-    def __init__(self, policy, gen, edit_gen=None):
-        super().__init__()
-        self.text, self.image = policy, gen.transformer
-        if edit_gen is not None and edit_gen is not gen:
-            self.edit_image = edit_gen.transformer
-        # a list: the generators' VAEs and frozen text encoders are not trained parts
-        self._gens = [gen, edit_gen if edit_gen is not None else gen]
-
-    def train(self, mode=True):
-        super().train(mode)
-        for gen in self._gens:  # the generators recompute their SDE steps as they sampled them
-            gen.transformer.eval()
-        return self
-
-    def forward(self, text=None, image=None, reference=False, edit=False):
-        out = {}
-        if text is not None:
-            if reference:
-                with torch.no_grad(), adapters_disabled(self.text.model):  # the frozen tower's LoRA stays frozen
-                    out["text"] = self.text(*text)
-            else:
-                out["text"] = self.text(*text)
-        if image is not None:
-            out["image"] = image_logprobs(self._gens[int(edit)], *image, reference=reference)
-        return out
-
-
-def train_generator(cfg, gen):
-    """The generator's trainable parameters: LoRA on its attention, or with --generator_lora_r 0 every weight (the
-    image KL's reference is then a frozen copy, made only when that KL is on)."""
-    if cfg.generator_lora_r:
-        return gen.add_lora(cfg.generator_lora_r, alpha=cfg.generator_lora_alpha)
-    return gen.full_finetune(reference=bool(cfg.kl_weight_image and cfg.tune_image_cot))
-
-
-def build_edit_generator(cfg, edit_path, gen, device):
-    """The refine stage's own generator (a Qwen-Image-Edit folder), trained like the reason stage's (`train_generator`),
-    reading the same text encoder as `gen` (the VLM's base weights or the policy, as --conditioning says). Returns
-    (generator, its trainable parameters)."""
-    return load_generator(cfg, edit_path, "edit_generator_name_or_path", device,
-                          hidden=gen.transformer.config.joint_attention_dim,
-                          copy_text_encoder=False,  # gen's text encoder is already the right one
-                          components={"text_encoder": gen.text_encoder, "tokenizer": gen.t2i.tokenizer,
-                                      "processor": gen.edit.processor if gen.edit is not None else None})
-
-
 def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
     """ce_weight * (token clipped surrogate / the step's text tokens + kl_weight_text * k3)
     + mse_weight * clipped surrogate on each image's SDE log-prob / the step's images + kl_weight_image * image KL.
@@ -713,26 +483,27 @@ def main(cfg: MixGRPOConfig):
     # Without a GPU: cpu=True, except under a DeepSpeed config (DS_ACCELERATOR=cpu; utils.launch says why).
     device_kwargs = accelerator_device_kwargs()
     handlers = device_kwargs.pop("kwargs_handlers", []) + [DistributedDataParallelKwargs(find_unused_parameters=True)]
-    accelerator = Accelerator(**device_kwargs, mixed_precision="no", log_with=_trackers(cfg.report_to),
+    accelerator = Accelerator(**device_kwargs, mixed_precision="no", log_with=tracker_list(cfg.report_to),
                               project_dir=cfg.output_dir, kwargs_handlers=handlers)
     validate(cfg, accelerator.num_processes)
     set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
     rank, world = accelerator.process_index, accelerator.num_processes
     G, P, K = cfg.group_size, cfg.policy_group_size, cfg.prompts_per_policy_group
+    scale = "group" if cfg.scale_advantages else "none"  # advantages / the group's std, or not
     n_groups, group, member = world // P, rank // P, rank % P
     prompts_per_step = n_groups * K
     total = prompts_per_step * G
 
     # ---- data and reward (checked before any model is loaded) ----
-    vlm_path, gen_path, train_path, val_path = resolve_tiny(cfg, accelerator)
+    vlm_path, gen_path, train_path, val_path = resolve_tiny_t2i(cfg, accelerator)
     train_rows = load_prompts(cfg, train_path)
     val_rows = load_prompts(cfg, val_path) if val_path else None
     if val_rows is not None and cfg.eval_samples:
         val_rows = val_rows[: cfg.eval_samples]
     n_images = cfg.eval_images_per_prompt
     heldout_images = f"{len(val_rows or [])} prompts" + (f" x {n_images} images" if n_images > 1 else "")
-    reward_fn = build_reward(cfg)
+    reward_fn = build_image_reward(cfg)
     check_generators(cfg, gen_path)  # their pipelines against the flags (model_index.json), before any loads
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
@@ -826,8 +597,8 @@ def main(cfg: MixGRPOConfig):
         all_text = gather_by_index(accelerator, roll["text_rewards"], roll["global_ids"], total)
         all_image = gather_by_index(accelerator, roll["image_rewards"], roll["global_ids"], total)
         local = torch.tensor(roll["global_ids"])
-        adv_text = group_advantages(all_text, G, cfg.scale_advantages)[local].to(accelerator.device)
-        adv_image = (group_advantages(all_image, G, cfg.scale_advantages)[local] * roll["image_mask"]).to(
+        adv_text = group_advantages(all_text, G, scale=scale)[local].to(accelerator.device)
+        adv_image = (group_advantages(all_image, G, scale=scale)[local] * roll["image_mask"]).to(
             accelerator.device)  # no edit: advantage 0
         with torch.no_grad():  # the references: a frozen copy, or the same weights with LoRA off
             text_ref = cfg.tune_text_cot and cfg.kl_weight_text
@@ -863,7 +634,7 @@ def main(cfg: MixGRPOConfig):
                        f"{stage}/image_reward": all_image.nanmean(), f"{stage}/score": scores.nanmean(),
                        f"{stage}/unscored": scores.isnan().float().mean(),
                        f"{stage}/format": fmt.mean(),
-                       f"{stage}/text_advantage_abs": group_advantages(all_text, G, cfg.scale_advantages).abs().mean(),
+                       f"{stage}/text_advantage_abs": group_advantages(all_text, G, scale=scale).abs().mean(),
                        f"{stage}/image_advantage_abs": gather_by_index(accelerator, adv_image, roll["global_ids"],
                                                                         total).abs().mean(),
                        f"{stage}/completion_length": accelerator.gather(roll["mask"].sum(-1)).float().mean(),
@@ -911,19 +682,10 @@ def main(cfg: MixGRPOConfig):
                    peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
     if val_rows is not None:
         after = evaluate("after")
-        summary.update({f"heldout_{k}_after" if k != "reward" else "heldout_reward_after": v
-                        for k, v in after.items() if k != "samples"})
+        summary.update(heldout_summary(after, heldout_before))
         if heldout_before:
-            summary.update({f"heldout_{k}_before" if k != "reward" else "heldout_reward_before": v
-                            for k, v in heldout_before.items() if k != "samples"})
-            extra = "".join(f", {k} {heldout_before[k]:.3f} -> {after[k]:.3f}" for k in ("strict", "detected")
-                            if k in after and k in heldout_before)
-            accelerator.print(f"held-out reward (reason): before {heldout_before['reward']:.4f} -> after "
-                              f"{after['reward']:.4f} ({heldout_images}{extra})")
-            if "refine_reward" in after and "refine_reward" in heldout_before:
-                accelerator.print(f"held-out reward (reason + refine): before {heldout_before['refine_reward']:.4f} "
-                                  f"-> after {after['refine_reward']:.4f} (kept as drawn: "
-                                  f"{heldout_before['refine_no_edit']:.2f} -> {after['refine_no_edit']:.2f})")
+            for line in heldout_lines(heldout_before, after, heldout_images):
+                accelerator.print(line)
     logger.close()
     if accelerator.is_main_process:
         write_summary(cfg.output_dir, summary)
@@ -1041,151 +803,6 @@ def load_buffer(folder):
     return {pool: [dict(id=e["id"], row=e["row"], score=e["score"],
                         image=Image.fromarray(px.numpy()))
                    for e, px in zip(meta[pool], pixels[pool])] for pool in BUFFER_POOLS}
-
-
-def _trackers(report_to):
-    from utils.tracking import tracker_list
-
-    return tracker_list(report_to)
-
-
-def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processor, accelerator, stop_ids,
-                 suppress_ids):
-    """Greedy completions of a held-out batch (chat messages, one image list per row)."""
-    tokenizer = processor.tokenizer
-    batch = encode_prompts(processor, messages, images, sample_ids=[f"held-out row {i}" for i in idx],
-                           max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
-    ids, mask = generate_completions(policy.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
-                                     max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-                                     pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
-    return tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
-
-
-def score_heldout(cfg, reward_fn, texts, images, batch_rows):
-    return score_images(cfg, reward_fn, texts, images, batch_rows).tolist()  # NaN: unscored
-
-
-def scored_mean(values):
-    """Mean over the values that are not NaN (unscored images), NaN when there are none."""
-    kept = [v for v in values if not math.isnan(v)]
-    return sum(kept) / len(kept) if kept else float("nan")
-
-
-def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_offset=0, **generate):
-    """Held-out reflect + refine of the reason images: greedy reflection on each image, then an ODE refine with
-    --eval_num_timesteps from noise seeded by the row (+ `noise_offset`: another image of the row); "no further
-    edit needed" keeps the image. Returns (reflections, refined images, no-edit flags)."""
-    messages = [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in batch_rows]
-    texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
-                         accelerator=accelerator, **generate)
-    parsed = [reflection_of(t) for t in texts]
-    cond = image_condition(cfg, gen, batch_rows, [instruction for _, instruction, _ in parsed], images)
-    noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
-        device=accelerator.device).manual_seed(cfg.seed + 7919 + i + noise_offset)) for i in idx])
-    out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
-                 guidance=edit_guidance(cfg), shift=cfg.timestep_shift,
-                 latents=noise, output_type="pil")
-    no_edit = [keep for _, _, keep in parsed]
-    return texts, [im if keep else new for im, new, keep in zip(images, out.images, no_edit)], no_edit
-
-
-@torch.no_grad()
-def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
-                    grid_path, edit_gen=None):
-    """Held-out reason stage: greedy reasoning, ODE images with --eval_num_timesteps, --eval_images_per_prompt per
-    row, each from its own noise (row i's image j from seed + i + j x rows), scored by --reward_fn; rows are shared
-    out over the processes. Writes a grid PNG of the first 64 images (rows first). Returns the means over all
-    images of reward and format. With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward`
-    (the refined image's score), `refine_no_edit` (the share kept as drawn) and a second grid (`*_refine.png`)."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, len(rows), world))
-    results = []
-    generate = dict(policy=policy, processor=processor, stop_ids=stop_ids, suppress_ids=suppress_ids)
-    shapes = cfg.dataset_name == "shapes_t2i"
-    was_training = policy.training
-    policy.eval()
-    for start in range(0, len(mine), 16):
-        idx = mine[start:start + 16]
-        batch_rows = [rows[i] for i in idx]
-        texts = greedy_texts(cfg, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in batch_rows],
-                             [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator, **generate)
-        parsed = [reasoning_of(t) for t in texts]
-        cond = image_condition(cfg, gen, batch_rows, [reasoning for _, reasoning in parsed])
-        for copy in range(cfg.eval_images_per_prompt):  # one greedy reasoning per row, several images of it
-            offset = copy * len(rows)
-            noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
-                device=accelerator.device).manual_seed(cfg.seed + i + offset)) for i in idx])
-            out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
-                         guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
-                         shift=cfg.timestep_shift, latents=noise, output_type="pil")
-            scores = score_heldout(cfg, reward_fn, texts, out.images, batch_rows)
-            details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
-            for d, r in zip(details, batch_rows):
-                d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
-            refined = [None] * len(idx)
-            if cfg.reflect_refine:
-                images, new_scores, stopped = list(out.images), list(scores), [False] * len(idx)
-                for n in range(1, cfg.eval_refine_rounds + 1):  # R3: rounds until "no further edit"
-                    prev = new_scores
-                    reflections, candidates, no_edit = refine_heldout(
-                        cfg, batch_rows, idx, images, edit_gen or gen, accelerator,
-                        noise_offset=offset + (n - 1) * 104729, **generate)  # each round its own noise
-                    stopped = [a or b for a, b in zip(stopped, no_edit)]
-                    images = [im if stop else new for im, new, stop in zip(images, candidates, stopped)]
-                    new_scores = score_heldout(cfg, reward_fn, reflections, images, batch_rows)
-                    if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
-                        for d, a, b in zip(details, prev, new_scores):
-                            d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
-                                      f"round{n}_worse": float(b < a), f"round{n}_same": float(b == a)})
-                refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
-                           for s, k, im in zip(new_scores, stopped, images)]
-                if shapes:
-                    for d, r, im in zip(details, batch_rows, images):
-                        d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
-            results += [(i + offset, s, f, im, d, ref) for i, s, (f, _), im, d, ref in zip(
-                idx, scores, parsed, out.images, details, refined)]
-    policy.train(was_training)
-    # every process's rows, the grid's first 64 images included (PIL images pickle; the rest go without theirs)
-    mine_rows = [(i, s, f, {**d, **{k: v for k, v in (ref or {}).items() if k != "image"}},
-                  im if i < 64 else None, ref["image"] if ref and i < 64 else None)
-                 for i, s, f, im, d, ref in results]
-    gathered = sorted((r for part in gather_object([mine_rows]) for r in part), key=lambda r: r[0])
-    if accelerator.is_main_process:
-        for position, path in ((4, grid_path), (5, grid_path.replace(".png", "_refine.png"))):
-            grid_images = [r[position] for r in gathered if r[position] is not None]
-            if grid_images:
-                save_grid(grid_images, path)
-    n = len(gathered)
-    result = dict(reward=scored_mean([r[1] for r in gathered]), format=sum(r[2] for r in gathered) / n, samples=n,
-                  unscored=sum(math.isnan(r[1]) for r in gathered) / n)
-    for key in sorted({k for r in gathered for k in r[3]} - {"tag"}):  # refine, the shapes scorer's view
-        result[key] = scored_mean([r[3][key] for r in gathered])
-    for tag in sorted({r[3]["tag"] for r in gathered if r[3].get("tag") is not None}):
-        result[f"tag_{tag}"] = scored_mean([r[1] for r in gathered if r[3].get("tag") == tag])
-    return result
-
-
-def shapes_details(image, row):
-    """What the tiny world's scorer sees besides the score: strict (every item holds), objects detected and
-    requested, so a gain bought with extra objects or speckle shows (the reward itself is only the score)."""
-    from tiny.detector import score_t2i
-
-    out = score_t2i(image, row)
-    return {"strict": float(out["strict"]), "detected": float(out["detected"]), "requested": float(out["requested"])}
-
-
-def save_grid(images, path, columns=8):
-    """Paste PIL images into one grid PNG (the first held-out rows' images, in row order)."""
-    from PIL import Image
-
-    w, h = images[0].size
-    rows = math.ceil(len(images) / columns)
-    grid = Image.new("RGB", (w * min(columns, len(images)), h * rows), "white")
-    for n, im in enumerate(images):
-        grid.paste(im.convert("RGB"), ((n % columns) * w, (n // columns) * h))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    grid.save(path)
-    return path
 
 
 if __name__ == "__main__":

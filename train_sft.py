@@ -27,7 +27,7 @@ from kernels import fused_token_logprobs
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import choice, config_to_dict, parse_config, save_config
-from utils.data import load_sharegpt, load_vqa, videos_of
+from utils.data import load_sharegpt, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.hub import HubUploader
@@ -40,7 +40,7 @@ from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
-from utils.video import budget_from_config, check_config_video_flags, video_flag
+from utils.video import budget_from_config, check_config_video_flags, video_flag, videos_of
 from utils.zero3 import clear_stale_zero3_gradients
 
 

@@ -5,7 +5,7 @@
 A run evaluates its held-out prompts once, each from one noise seed, so its before -> after moves with the draw of
 that noise as much as with training. This re-evaluates a run's warm start (its config's VLM and generator, as
 loaded) and its last checkpoint (the VLM and the generator's trained part, from the checkpoint's training state)
-with train_mixgrpo.evaluate_reason (greedy reasoning, ODE images) once per noise seed, and prints before, after and
+with utils.mixgrpo_eval.evaluate_reason (greedy reasoning, ODE images) once per noise seed, and prints before, after and
 their paired difference with the spread over seeds. The warm start is evaluated once per config.
 """
 
@@ -14,14 +14,26 @@ import os
 import statistics
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import torch
+import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import train_mixgrpo as tm  # noqa: E402
+from tiny.cache import resolve_tiny_t2i  # noqa: E402
 from utils.checkpoint import latest_checkpoint  # noqa: E402
-from utils.config import parse_config  # noqa: E402
+from utils.mixgrpo_eval import evaluate_reason  # noqa: E402
+from utils.mixgrpo_model import MixGRPOModel, build_policy  # noqa: E402
+from utils.reward_calls import build_image_reward  # noqa: E402
+from utils.rollout import special_token_ids_to_suppress, stop_token_ids  # noqa: E402
+from utils.t2i_data import load_prompts  # noqa: E402
+
+
+def run_config(run, **overrides):
+    """A run's flags as it ran with them (its config.yaml holds every flag), with `overrides`."""
+    with open(os.path.join(run, "config.yaml"), encoding="utf-8") as f:
+        return SimpleNamespace(**{**yaml.safe_load(f), **overrides})
 
 
 def evaluate_seeds(cfg, rows, vlm_path, gen_path, seeds, checkpoint=None):
@@ -30,8 +42,8 @@ def evaluate_seeds(cfg, rows, vlm_path, gen_path, seeds, checkpoint=None):
     from safetensors.torch import load_file
 
     accelerator = Accelerator(cpu=True)
-    model, processor, policy, gen, _ = tm.build_policy(cfg, vlm_path, gen_path, accelerator.device)
-    mix = tm.MixGRPOModel(policy, gen)
+    model, processor, policy, gen, _ = build_policy(cfg, vlm_path, gen_path, accelerator.device)
+    mix = MixGRPOModel(policy, gen)
     if checkpoint is not None:
         state = load_file(os.path.join(checkpoint, "training_state", "model.safetensors"))
         missing, unexpected = mix.load_state_dict(state, strict=False)
@@ -40,15 +52,15 @@ def evaluate_seeds(cfg, rows, vlm_path, gen_path, seeds, checkpoint=None):
             raise ValueError(f"{checkpoint}: its training state does not fit this model "
                              f"(unexpected {unexpected[:3]}, missing {[k for k in trained if k in missing][:3]})")
     mix.eval()
-    stop_ids = tm.stop_token_ids(model, processor.tokenizer)
-    suppress_ids = tm.special_token_ids_to_suppress(processor.tokenizer, stop_ids)
-    reward_fn, out = tm.build_reward(cfg), {}
+    stop_ids = stop_token_ids(model, processor.tokenizer)
+    suppress_ids = special_token_ids_to_suppress(processor.tokenizer, stop_ids)
+    reward_fn, out = build_image_reward(cfg), {}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         for seed in seeds:
             cfg.seed = seed  # evaluate_reason seeds row i's noise with cfg.seed + i
-            out[seed] = tm.evaluate_reason(cfg, rows, policy=policy, processor=processor, gen=gen,
-                                           accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
-                                           reward_fn=reward_fn, grid_path=os.path.join(tmp, "grid.png"))
+            out[seed] = evaluate_reason(cfg, rows, policy=policy, processor=processor, gen=gen,
+                                        accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
+                                        reward_fn=reward_fn, grid_path=os.path.join(tmp, "grid.png"))
     return out
 
 
@@ -66,13 +78,12 @@ def main():
     print("| run | before | after | after - before (mean over seeds, min .. max) | strict | objects |")
     print("|---|---|---|---|---|---|")
     for run in args.runs:
-        cfg = parse_config(tm.MixGRPOConfig, ["--config", os.path.join(run, "config.yaml"), "--eval_samples",
-                                              str(args.eval_samples), "--report_to", "none"]
-                           + (["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else []))
+        cfg = run_config(run, eval_samples=args.eval_samples, report_to="none",
+                         **({"model_name_or_path": args.model_name_or_path} if args.model_name_or_path else {}))
         from accelerate import Accelerator
 
-        vlm_path, gen_path, _, val_path = tm.resolve_tiny(cfg, Accelerator(cpu=True))
-        rows = tm.load_prompts(cfg, val_path)[: args.eval_samples]
+        vlm_path, gen_path, _, val_path = resolve_tiny_t2i(cfg, Accelerator(cpu=True))
+        rows = load_prompts(cfg, val_path)[: args.eval_samples]
         key = (vlm_path, gen_path, cfg.generator_lora_r, val_path)
         if key not in before_cache:
             before_cache[key] = evaluate_seeds(cfg, rows, vlm_path, gen_path, args.noise_seeds)

@@ -11,15 +11,16 @@ from tests.flow_helpers import assert_close as _close
 from tests.flow_helpers import random_image as _image
 from tests.flow_helpers import seeded as _gen
 from tiny.pipelines import make_tiny_flux, make_tiny_klein, make_tiny_qwenimage, make_tiny_sd3
-from utils.flow_adapters import (
+from utils.flow.adapters import (
     Flux2KleinGenerator,
     FluxGenerator,
     QwenImageGenerator,
     SD3Generator,
+    load_flow_generator,
     template_prefix_length,
 )
-from utils.flow_generators import Guidance, SDEStep, edit_start, load_flow_generator, sample, step_logprob
-from utils.flow_sde import sde_std_t
+from utils.flow.generators import Guidance, SDEStep, edit_start, sample, step_logprob
+from utils.flow.sde import sde_std_t
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures
@@ -344,7 +345,7 @@ def test_conditioning_base_weights_vs_policy(qwen_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from utils.flow_adapters import QwenImageGenerator as Q
+    from utils.flow.adapters import QwenImageGenerator as Q
 
     vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(qwen_dir, "text_encoder"))
     frozen = Q.from_pretrained(qwen_dir)

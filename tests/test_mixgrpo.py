@@ -13,10 +13,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 import train_mixgrpo as tm
+from kernels import group_advantages
 from tests.launch_helpers import cli as flags
 from tests.launch_helpers import failing_fixture, finish, launch, sigkill_when
+from tiny.cache import resolve_tiny_t2i
 from train_mixgrpo import MixGRPOConfig
-from utils import r3_format
+from utils import mixgrpo_eval, mixgrpo_model, r3_format
+from utils.flow.generators import step_logprob
+from utils.logprobs import hf_core
 from utils.tracking import read_jsonl
 
 
@@ -84,9 +88,9 @@ def test_buffer_draws_follow_perfect_buffer_prob_and_fall_back_when_a_pool_is_em
 
 def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std():
     r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
-    adv = tm.group_advantages(r, 4)
+    adv = group_advantages(r, 4, scale="none")
     assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0, 0.0, 0, 0, 0, 0]))
-    scaled = tm.group_advantages(r, 4, scale=True)
+    scaled = group_advantages(r, 4, scale="group")
     assert torch.allclose(scaled[:4], adv[:4] / (r[:4].std() + 1e-4)) and scaled[4:].abs().max() == 0
 
 
@@ -114,7 +118,7 @@ def test_validate_refuses_bad_flags(overrides, world, message):
 def test_the_tiny_generator_refuses_to_read_the_policys_states(conditioning):
     # pre-trained on its own encoder's states, before anything is built or loaded
     with pytest.raises(ValueError, match=f"use --conditioning generator, not {conditioning}"):
-        tm.resolve_tiny(MixGRPOConfig(conditioning=conditioning), accelerator=None)
+        resolve_tiny_t2i(MixGRPOConfig(conditioning=conditioning), accelerator=None)
 
 
 def test_reward_endpoints_rank_mod_n_and_the_geneval_server_is_not_sent_to_v1(monkeypatch):
@@ -123,12 +127,13 @@ def test_reward_endpoints_rank_mod_n_and_the_geneval_server_is_not_sent_to_v1(mo
     expected = ["http://127.0.0.1:8000/", "http://127.0.0.1:8001/", "http://127.0.0.2:8000/", "http://127.0.0.2:8001/"]
     for rank in range(6):
         monkeypatch.setenv("RANK", str(rank))
-        geneval = tm.build_reward(MixGRPOConfig(reward_fn="geneval", reward_server_urls=urls, reward_server_port=ports))
+        geneval = tm.build_image_reward(MixGRPOConfig(reward_fn="geneval", reward_server_urls=urls,
+                                                      reward_server_port=ports))
         assert geneval.options["client"].url == expected[rank % 4]
-        judge = tm.build_reward(MixGRPOConfig(reward_fn="judge_geneval_plus", reward_server_urls=urls,
+        judge = tm.build_image_reward(MixGRPOConfig(reward_fn="judge_geneval_plus", reward_server_urls=urls,
                                               reward_server_port=ports))
         assert judge.options["client"].url == expected[rank % 4] + "v1/chat/completions"
-    judge = tm.build_reward(MixGRPOConfig(reward_fn="judge_tiif", dataset_name="tiif",
+    judge = tm.build_image_reward(MixGRPOConfig(reward_fn="judge_tiif", dataset_name="tiif",
                                           reward_server_urls="http://127.0.0.1:9000/v1", reward_server_port=None))
     assert judge.options["client"].url == "http://127.0.0.1:9000/v1/chat/completions"
 
@@ -165,7 +170,7 @@ def rollout(tiny, cfg=None):
     return tm.reason_rollout(cfg, 0, [0, 1], tiny["rows"], rank_in_group=0, policy=tiny["policy"],
                              processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
                              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
-                             reward_fn=tm.build_reward(cfg))
+                             reward_fn=tm.build_image_reward(cfg))
 
 
 def test_rollout_shares_noise_and_sde_step_within_a_prompt_and_varies_the_rest(tiny):
@@ -186,7 +191,7 @@ def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
     gen, policy = tiny["gen"], tiny["policy"]
     assert roll["steps"].guidance.scale == 4.0 and roll["steps"].guidance.interval == (0.4, 1.0)
     with torch.no_grad():
-        ref_mean = tm.image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
+        ref_mean = mixgrpo_model.image_logprobs(gen, roll["cond"], roll["steps"], reference=True)[1]
         ref_logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
     adv = torch.linspace(-1, 1, 8)
     loss, stats = tm.mixgrpo_loss(cfg, tm.MixGRPOModel(policy, gen), roll, adv, adv, ref_logps=ref_logps,
@@ -198,8 +203,8 @@ def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
     # untempered softmax, would each move the ratio away from 1 here.
     # (The random tiny transformer's two CFG branches are close, hence the small but clear gap.)
     with torch.no_grad():
-        kept = tm.image_logprobs(gen, roll["cond"], roll["steps"])[0]
-        no_cfg = tm.step_logprob(gen, roll["cond"], roll["steps"], guidance=tm.Guidance(scale=1.0))[0]
+        kept = mixgrpo_model.image_logprobs(gen, roll["cond"], roll["steps"])[0]
+        no_cfg = step_logprob(gen, roll["cond"], roll["steps"], guidance=tm.Guidance(scale=1.0))[0]
     assert (kept - roll["steps"].log_prob).abs().max() < 1e-6
     assert (no_cfg - roll["steps"].log_prob).abs().max() > 1e-5
     with torch.no_grad():
@@ -228,7 +233,7 @@ def test_window_rollout_records_every_window_step_and_trains_them_at_ratio_one(t
     cfg = MixGRPOConfig(**{**TINY_CFG, "sde_window_size": 2, "sde_window_shift_interval": 1, "reflect_refine": False})
     roll = tm.reason_rollout(cfg, 1, [0, 1], tiny["rows"], rank_in_group=0, policy=tiny["policy"],
                              processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
-                             stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+                             stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_image_reward(cfg))
     steps, of = roll["steps"], roll["step_image"]
     # 8 images x a window of 2 (the second window, steps 1 and 2, at training step 1), position-major
     assert steps.index.tolist() == [1] * 8 + [2] * 8 and of.tolist() == list(range(8)) * 2
@@ -236,7 +241,7 @@ def test_window_rollout_records_every_window_step_and_trains_them_at_ratio_one(t
     assert torch.equal(steps.latents[8:], steps.next_latents[:8])
     gen, policy = tiny["gen"], tiny["policy"]
     with torch.no_grad():
-        ref_mean = tm.image_logprobs(gen, tm.step_condition(roll), steps, reference=True)[1]
+        ref_mean = mixgrpo_model.image_logprobs(gen, tm.step_condition(roll), steps, reference=True)[1]
         ref_logps = policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
     adv = torch.linspace(0.1, 1, 8)  # a non-zero mean, so that a wrong normaliser shows
     loss, stats = tm.mixgrpo_loss(cfg, tm.MixGRPOModel(policy, gen), roll, adv, adv, ref_logps=ref_logps,
@@ -262,7 +267,8 @@ def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_im
     monkeypatch.setattr(tm, "text_rollout", scripted)
     roll = tm.reflect_rollout(cfg, 1, [0, 1], buffer, rank_in_group=0, policy=tiny["policy"],
                               processor=tiny["processor"], gen=tiny["gen"], accelerator=tiny["accelerator"],
-                              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+                              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
+                              reward_fn=tm.build_image_reward(cfg))
     keep = roll["no_edit"].bool()
     assert keep.tolist() == [True, False] * 4 and roll["image_mask"].tolist() == [0.0, 1.0] * 4
     inputs = {id(e["image"]): e for e in buffer["imperfect"]}
@@ -298,7 +304,7 @@ def test_refine_with_its_own_edit_generator_trains_that_generator_with_image_cfg
 
     monkeypatch.setattr(tm, "text_rollout", edits)
     common = dict(rank_in_group=0, policy=tiny["policy"], processor=tiny["processor"], accelerator=tiny["accelerator"],
-                  stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+                  stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_image_reward(cfg))
     by_gen = tm.reflect_rollout(cfg, 1, [0, 1], buffer, gen=tiny["gen"], **common)
     by_edit = tm.reflect_rollout(cfg, 1, [0, 1], buffer, gen=edit, **common)
     # the same noise and text, another transformer: other images; image CFG on (the edit without its image)
@@ -327,7 +333,7 @@ def test_full_finetuning_trains_every_generator_weight_against_a_frozen_copy(tin
     assert len(params) == len(list(gen.transformer.parameters())) and all(p.requires_grad for p in params)
     assert not tm.has_adapters(gen.transformer)
     common = dict(rank_in_group=0, policy=policy, processor=processor, gen=gen, accelerator=tiny["accelerator"],
-                  stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_reward(cfg))
+                  stop_ids=tiny["stop"], suppress_ids=tiny["suppress"], reward_fn=tm.build_image_reward(cfg))
     roll = tm.reason_rollout(cfg, 0, [0, 1], tiny["rows"], **common)
     model = tm.MixGRPOModel(policy, gen)
     with torch.no_grad():
@@ -413,14 +419,14 @@ def test_generator_conditioning_reads_the_pipelines_own_frozen_text_encoder(tiny
     does not move it."""
     from tiny.models import make_tiny_vlm
     from utils.errors import InputError
-    from utils.flow_adapters import QwenImageGenerator
+    from utils.flow.adapters import QwenImageGenerator
 
     vlm = make_tiny_vlm(str(tmp_path / "vlm48"), hidden_size=48, num_attention_heads=2, vision_hidden_size=32, seed=3)
     with pytest.raises(InputError, match="reads 32-dim text states but the VLM's hidden size is 48"):
         tm.build_policy(tiny["cfg"], vlm, tiny["gen_path"], "cpu")
     cfg = replace(tiny["cfg"], conditioning="generator")
     model, processor, policy, gen, gen_params = tm.build_policy(cfg, vlm, tiny["gen_path"], "cpu")
-    assert gen.text_encoder is not tm.hf_core(model) and gen.edit is not None  # the folder's own processor: refine
+    assert gen.text_encoder is not hf_core(model) and gen.edit is not None  # the folder's own processor: refine
     assert not any(p.requires_grad for p in gen.text_encoder.parameters())
     plain = QwenImageGenerator.from_pretrained(tiny["gen_path"])
     texts = ["a photo of a red circle\nred circle top left", "a photo of two squares"]
@@ -583,13 +589,13 @@ def test_heldout_images_per_prompt_each_draw_new_noise(tiny, tmp_path):
 def evaluate(tiny, cfg, grid):
     return tm.evaluate_reason(cfg, tiny["rows"], policy=tiny["policy"], processor=tiny["processor"], gen=tiny["gen"],
                               accelerator=tiny["accelerator"], stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
-                              reward_fn=tm.build_reward(cfg), grid_path=grid)
+                              reward_fn=tm.build_image_reward(cfg), grid_path=grid)
 
 
 def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(tiny, tmp_path, monkeypatch):
     cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i", reflect_refine=True,
                   reward_kwargs={"key": "score", "behaviour": "tiny"})
-    real = tm.greedy_texts
+    real = mixgrpo_eval.greedy_texts
 
     def scripted(reflection):  # the random tiny VLM never writes a reflection: script the refine stage's texts
         def texts(cfg, messages, images, *a, **kw):
@@ -597,11 +603,11 @@ def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(ti
             return [reflection] * len(out) if any(images) else out
         return texts
 
-    monkeypatch.setattr(tm, "greedy_texts", scripted("<think>fine</think> no further edit needed"))
+    monkeypatch.setattr(mixgrpo_eval, "greedy_texts", scripted("<think>fine</think> no further edit needed"))
     kept = evaluate(tiny, cfg, str(tmp_path / "kept.png"))
     assert kept["refine_no_edit"] == 1.0 and kept["refine_reward"] == kept["reward"]
     assert kept["refine_strict"] == kept["strict"] and os.path.isfile(tmp_path / "kept_refine.png")
-    monkeypatch.setattr(tm, "greedy_texts", scripted("<think>x</think> add a red circle"))
+    monkeypatch.setattr(mixgrpo_eval, "greedy_texts", scripted("<think>x</think> add a red circle"))
     edited = evaluate(tiny, cfg, str(tmp_path / "edited.png"))
     assert edited["refine_no_edit"] == 0.0 and edited["reward"] == kept["reward"]  # the reason images are the same
     with Image.open(tmp_path / "kept_refine.png") as a, Image.open(tmp_path / "edited_refine.png") as b:

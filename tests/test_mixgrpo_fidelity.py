@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import train_mixgrpo as tm
+from kernels import group_advantages
 from train_mixgrpo import MixGRPOConfig
-from utils import r3_format
+from utils import mixgrpo_eval, mixgrpo_model, r3_format
 from utils.errors import InputError
 
 TINY_CFG = dict(group_size=4, policy_group_size=1, prompts_per_policy_group=2, max_output_token_n_gen=6,
@@ -52,7 +53,8 @@ def reason(tiny, parts, cfg=None):
     cfg = cfg or parts["cfg"]
     return tm.reason_rollout(cfg, 0, [0, 1], tiny["rows"], rank_in_group=0, policy=parts["policy"],
                              processor=parts["processor"], gen=parts["gen"], accelerator=tiny["accelerator"],
-                             stop_ids=parts["stop"], suppress_ids=parts["suppress"], reward_fn=tm.build_reward(cfg))
+                             stop_ids=parts["stop"], suppress_ids=parts["suppress"],
+                             reward_fn=tm.build_image_reward(cfg))
 
 
 # ---- 1. LoRA dropout and the text ratio ----
@@ -91,7 +93,7 @@ def test_image_kl_is_weighted_by_kl_weight_image_only(tiny):
     cfg = replace(parts["cfg"], tune_text_cot=False, kl_weight_image=0.5)
     roll = reason(tiny, parts, cfg)
     with torch.no_grad():
-        _, mean, std = tm.image_logprobs(parts["gen"], tm.step_condition(roll), roll["steps"])
+        _, mean, std = mixgrpo_model.image_logprobs(parts["gen"], tm.step_condition(roll), roll["steps"])
     ref_mean = mean + 0.01 * torch.randn(mean.shape, generator=torch.Generator().manual_seed(0))
     expected = 0.5 * tm.image_kl(mean, ref_mean, std).mean()
     mix, zero = tm.MixGRPOModel(parts["policy"], parts["gen"]), torch.zeros(8)
@@ -228,10 +230,10 @@ def test_geneval_plus_judge_sends_r3s_system_prompt_and_the_rows_checklist():
 
 def test_unscored_images_are_left_out_of_the_group_and_counted():
     rewards = torch.tensor([1.0, float("nan"), 0.0, 0.5, float("nan"), float("nan"), float("nan"), float("nan")])
-    adv = tm.group_advantages(rewards, 4)
+    adv = group_advantages(rewards, 4, scale="none")
     assert adv.tolist() == pytest.approx([0.5, 0.0, -0.5, 0.0] + [0.0] * 4)
     full = torch.tensor([1.0, 0.2, 0.0, 0.5])
-    assert torch.allclose(tm.group_advantages(full, 4, scale=True),
+    assert torch.allclose(group_advantages(full, 4, scale="group"),
                           (full - full.mean()) / (full.std() + 1e-4))
     scores = tm.score_images(None, lambda texts, images, **c: [1.0, None], ["a", "b"], [None, None],
                              [dict(prompt="x"), dict(prompt="y")])
@@ -297,7 +299,7 @@ def test_r3_recipes_at_tiny_sizes_keep_the_text_ratio_at_one_on_a_first_pass(tin
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory):
     from tiny import pipelines as tp
-    from utils import flow_adapters as fa
+    from utils.flow import adapters as fa
 
     root = tmp_path_factory.mktemp("pipes")
     return {"qwenimage": (fa.QwenImageGenerator, tp.make_tiny_qwenimage(str(root / "qwen")), tp.QWEN_IMAGE_SCHEDULER),
@@ -328,7 +330,7 @@ def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, 
     parts = build(tiny)
     rows = [dict(r, tag=t) for r, t in zip(tiny["rows"], ("counting", "color"))]
     cfg = replace(parts["cfg"], reflect_refine=True, eval_refine_rounds=3, eval_num_timesteps=3)
-    real, calls = tm.greedy_texts, []
+    real, calls = mixgrpo_eval.greedy_texts, []
 
     def scripted(cfg, messages, images, idx, *a, **kw):  # row 0 edits every round, row 1 stops after round 1
         out = real(cfg, messages, images, idx, *a, **kw)
@@ -338,10 +340,10 @@ def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, 
         return ["<think>x</think> add a circle" if i == 0 or len(calls) == 1 else "<think>ok</think> no further edit"
                 for i in idx]
 
-    monkeypatch.setattr(tm, "greedy_texts", scripted)
+    monkeypatch.setattr(mixgrpo_eval, "greedy_texts", scripted)
     result = tm.evaluate_reason(cfg, rows, policy=parts["policy"], processor=parts["processor"], gen=parts["gen"],
                                 accelerator=tiny["accelerator"], stop_ids=parts["stop"],
-                                suppress_ids=parts["suppress"], reward_fn=tm.build_reward(cfg),
+                                suppress_ids=parts["suppress"], reward_fn=tm.build_image_reward(cfg),
                                 grid_path=str(tmp_path / "grid.png"))
     assert len(calls) == 3 and result["refine_no_edit"] == 0.5  # row 1 stopped, row 0 edited all three rounds
     for n in (1, 2, 3):

@@ -45,7 +45,7 @@ def _key(spec):
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def _cached(name, spec, build):
+def cached(name, spec, build):
     """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename; a failed
     build leaves nothing behind)."""
     path = os.path.join(CACHE_DIR, f"{name}-{_key(spec)}")
@@ -69,13 +69,13 @@ def _cached(name, spec, build):
 def tiny_vlm_path():
     from tiny.models import make_tiny_vlm
 
-    return _cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
+    return cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
 
 
 def tiny_llm_path():
     from tiny.models import make_tiny_llm
 
-    return _cached("tiny-llm", TINY_LLM, lambda out: make_tiny_llm(out, **TINY_LLM))
+    return cached("tiny-llm", TINY_LLM, lambda out: make_tiny_llm(out, **TINY_LLM))
 
 
 def shapes_dataset_path():
@@ -86,7 +86,7 @@ def shapes_dataset_path():
     def build(out):
         DatasetDict({split: make_shapes_vqa(**spec) for split, spec in SHAPES_SPLITS.items()}).save_to_disk(out)
 
-    return _cached("shapes", SHAPES_SPLITS, build)
+    return cached("shapes", SHAPES_SPLITS, build)
 
 
 def _trained(name, recipe, spec, args=()):
@@ -151,7 +151,7 @@ def _sharegpt_folder(name, spec, make_rows):
         train = load_table(shapes_dataset_path(), split="train")
         save_sharegpt(make_rows([train[i] for i in range(len(train))]), out)
 
-    return _cached(name, spec, build)
+    return cached(name, spec, build)
 
 
 def tiny_base_path():
@@ -182,7 +182,7 @@ def tiny_t2i_prompts(n, seed):
     """A cached prompts.jsonl of `n` tiny text-to-image rows (tiny.t2i.make_t2i_prompts with `seed`)."""
     from tiny.t2i import make_t2i_prompts, write_jsonl
 
-    folder = _cached(f"t2i-prompts-{seed}", dict(n=n, seed=seed), lambda out: write_jsonl(
+    folder = cached(f"t2i-prompts-{seed}", dict(n=n, seed=seed), lambda out: write_jsonl(
         make_t2i_prompts(n, seed=seed), os.path.join(out, "prompts.jsonl")))
     return os.path.join(folder, "prompts.jsonl")
 
@@ -202,8 +202,8 @@ def tiny_planner_path():
         rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])
         save_sharegpt(t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"]), out)
 
-    data = _cached("plans", spec, build)
-    base = _cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
+    data = cached("plans", spec, build)
+    base = cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
     return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", base,
                                                                  "--dataset_name", data])
 
@@ -239,11 +239,11 @@ def tiny_generator_path(**overrides):
     import subprocess
     import sys
 
-    from tiny.generator import TinyGeneratorConfig
+    from tiny.generator_config import TinyGeneratorConfig
 
     cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
     # which text states condition it: the template's system prompt dropped as counted by the tokenizer
-    # (utils.flow_adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
+    # (utils.flow.adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
     spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder), "template_drop": "tokenizer"}
     if cfg.text_encoder in TINY_MODELS:  # build the VLM here, so the child only reads the cache
         TINY_MODELS[cfg.text_encoder]()
@@ -255,7 +255,7 @@ def tiny_generator_path(**overrides):
         subprocess.run([sys.executable, "-m", "tiny.generator", "--output_dir", out, *flags], check=True, cwd=REPO,
                        env=env)
 
-    return _cached(TINY_GENERATOR, spec, build)
+    return cached(TINY_GENERATOR, spec, build)
 
 
 def resolve_tiny(cfg, accelerator):
@@ -264,3 +264,22 @@ def resolve_tiny(cfg, accelerator):
         model = resolve_tiny_name(cfg.model_name_or_path)
         data = shapes_dataset_path() if cfg.dataset_name == TINY_DATASET else cfg.dataset_name
     return model, data
+
+
+def resolve_tiny_t2i(cfg, accelerator):
+    """Mix-GRPO's (VLM path, generator path, train prompts, held-out prompts), building the tiny pieces on the main
+    process first: 'tiny' is the pre-trained tiny Qwen-Image generator (tiny/generator.py) and the VLM it was
+    trained to read (tiny-planner); 'tiny' prompt files are synthetic shapes_t2i prompts."""
+    from utils.config import ConfigError
+
+    if cfg.generator_name_or_path == TINY_MODEL and cfg.conditioning != "generator":
+        # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
+        raise ConfigError(f"--generator_name_or_path tiny reads its own text encoder (the untrained tiny VLM): "
+                          f"use --conditioning generator, not {cfg.conditioning}")
+    with accelerator.main_process_first():
+        gen = tiny_generator_path() if cfg.generator_name_or_path == TINY_MODEL else cfg.generator_name_or_path
+        vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path)
+        paths = []
+        for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
+            paths.append(tiny_t2i_prompts(n, seed) if value == TINY_MODEL else value)
+    return vlm, gen, paths[0], paths[1]

@@ -1,7 +1,7 @@
 """The tiny text-to-image generator: a Qwen-Image pipeline small enough to pre-train on a CPU, conditioned on the
 last hidden states of a frozen tiny Qwen2.5-VL (by default the untrained one, which keeps every word), pre-trained
 by rectified flow matching on the synthetic text-to-image rows of `tiny.t2i`, and saved as a `QwenImagePipeline`
-folder that `utils.flow_adapters.QwenImageGenerator.from_pretrained` loads (docs/tiny.md, "The tiny generator").
+folder that `utils.flow.adapters.QwenImageGenerator.from_pretrained` loads (docs/tiny.md, "The tiny generator").
 
 Two stages, both on `render_t2i` ground truth at `image_size` px:
 1. the VAE (`AutoencoderKLQwenImage`, 2x down-sampling, 4 latent channels) is trained to reconstruct the renders;
@@ -24,75 +24,18 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import torch
 
 from tiny.detector import score_t2i
+from tiny.generator_config import TinyGeneratorConfig
 from tiny.shapes import T2I_TAGS
 from tiny.t2i import make_t2i_prompts, render_t2i, scene_plan
 
 _log = partial(print, flush=True)
 SUMMARY = "tiny_generator.json"  # what a build measured (timings, losses, scores), next to model_index.json
-
-
-@dataclass
-class TinyGeneratorConfig:
-    output_dir: str = "outputs/tiny-generator"  # the QwenImagePipeline folder to write
-    # the frozen VLM whose last hidden states condition it: tiny|tiny-sft|tiny-planner|a path. The untrained tiny VLM
-    # keeps every word in its states; a trained tiny LM's last layer keeps only what predicts the next token, so a
-    # colour or shape word moves its state by ~0.13 (normalised) against ~1.1, and the generator learns to ignore it
-    text_encoder: str = "tiny"
-    plan: bool = True  # condition on "prompt\nscene plan" as train_mixgrpo on prompt + reasoning; off: prompt alone
-    image_size: int = 32  # px; the VAE halves it, and 2 x 2 latent patches make (image_size / 4)^2 image tokens
-    train_rows: int = 4096  # synthetic rows (make_t2i_prompts seed `seed`), each rendered once as ground truth
-    seed: int = 0
-    threads: int = 1  # torch threads, pinned: the thread count changes float sums, and with them the cache
-    negative_prompt: str = " "  # the adapter's default negative prompt, the unconditional branch of CFG
-
-    # VAE (AutoencoderKLQwenImage)
-    vae_base_dim: int = 8
-    vae_z_dim: int = 4
-    vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2])  # one 2x down-sampling per entry after the first
-    vae_steps: int = 600
-    vae_batch_size: int = 16
-    vae_lr: float = 3e-3  # AdamW (0.9, 0.99), 20 warm-up steps, cosine to 0, grad clip 1
-    vae_ink_weight: float = 10.0  # squared-error weight of ink pixels and their 1 px ring (the canvas is mostly white)
-    vae_kl_weight: float = 1e-4
-    vae_latent_noise: float = 0.5  # decoder trained on latents + U(0, this) x (their std) noise: it learns to snap
-
-    # Transformer (QwenImageTransformer2DModel)
-    num_layers: int = 4
-    num_attention_heads: int = 2
-    attention_head_dim: int = 32
-    shift: float = 1.0  # FlowMatchEulerDiscreteScheduler shift of the saved pipeline (sampling schedule)
-
-    # Flow matching
-    steps: int = 8000  # held-out 0.47 (0.32 with another row's plan); 3000 steps: 0.35 (docs/tiny.md)
-    batch_size: int = 32
-    learning_rate: float = 2e-3  # AdamW (0.9, 0.99), linear warm-up, cosine to 0, grad clip 1
-    warmup_steps: int = 30
-    cfg_dropout: float = 0.1  # share of rows trained on the negative prompt's encoding
-    logit_mean: float = 0.0  # sigma = sigmoid(N(logit_mean, logit_std)) (SD3's logit-normal)
-    logit_std: float = 1.0
-    ema_decay: float = 0.995  # > 0: the saved transformer is the exponential moving average of its weights
-    log_every: int = 50
-
-    def __post_init__(self):
-        factor = 2 ** len(self.vae_dim_mult)  # the VAE's down-sampling, then 2 x 2 latent patches per token
-        if self.image_size % factor:
-            raise ValueError(f"--image_size {self.image_size}: must be a multiple of {factor} (VAE "
-                             f"{factor // 2}x down-sampling, then 2 x 2 latent patches)")
-        if self.attention_head_dim % 4:
-            raise ValueError(f"--attention_head_dim {self.attention_head_dim}: must be a multiple of 4 (3-axis RoPE)")
-        if not 0 <= self.cfg_dropout < 1:
-            raise ValueError(f"--cfg_dropout {self.cfg_dropout}: must be in [0, 1)")
-
-    def spec(self) -> dict:
-        """What the built weights depend on (the cache key): everything but where they are written."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("output_dir", "log_every")}
 
 
 @contextmanager
@@ -321,7 +264,7 @@ def vae_roundtrip(gen, images):
 def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds=None, batch=40, shift=None):
     """ODE samples (CFG against the negative prompt " " when guidance_scale > 1), image i drawn from its own
     torch.Generator seeded seeds[i] (default i), so an image does not depend on the batch it is drawn in."""
-    from utils.flow_generators import Guidance, sample
+    from utils.flow.generators import Guidance, sample
 
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     out = []
@@ -338,7 +281,7 @@ def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds
 def evaluate_generator(path, *, n=120, seed=1, num_steps=20, guidance_scale=4.0, shift=None, gen=None):
     """Held-out score of ODE samples (rows of make_t2i_prompts(n, seed=seed)), per tag. Returns
     {"table", "per_image", "images", "rows"}."""
-    from utils.flow_adapters import QwenImageGenerator
+    from utils.flow.adapters import QwenImageGenerator
 
     gen = gen if gen is not None else QwenImageGenerator.from_pretrained(path)
     rows = heldout_rows(n, seed)
@@ -359,7 +302,7 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
     SUMMARY). Returns cfg.output_dir."""
     from diffusers import QwenImagePipeline
 
-    from utils.flow_adapters import QwenImageGenerator
+    from utils.flow.adapters import QwenImageGenerator
 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)

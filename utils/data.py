@@ -325,12 +325,6 @@ def _video_cells(table, source, column, check, *, many: bool) -> tuple[list, lis
 VIDEOS_FEATURE = datasets.List(datasets.List(datasets.Value("string")))
 
 
-def videos_of(row) -> list:
-    """A row's videos (column 'videos' of the loaders): each a file or folder path, or a list of frame paths."""
-    return [paths[0] if len(paths) == 1 and not paths[0].lower().endswith(FRAME_EXTENSIONS) else list(paths)
-            for paths in (row.get("videos") or [])]
-
-
 def _text(source: _Source, row: int, column: str, value, *, allow_empty: bool = False) -> str:
     if value is None or (isinstance(value, (list, dict))):
         source.fail(row, column, f"expected text, got {value!r}")
@@ -428,7 +422,7 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     or as one step per line are accepted. Images may be stored images or paths (see module doc).
 
     Videos: `video_column` (when present) holds per row a video, a list of videos or nothing; a video is a file,
-    a folder of frames or a list of frame paths (utils.video). They become column 'videos' (see `videos_of`),
+    a folder of frames or a list of frame paths (utils.video). They become column 'videos' (`utils.video.videos_of`),
     each probed like an image path (check_images)."""
     table, source = _open(name_or_path, split)
     required = {question_column: "--question_column", answer_column: "--answer_column"}

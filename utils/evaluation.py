@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from utils.data import images_of, render_question, videos_of
+from utils.data import images_of, render_question
 from utils.prompts import build_messages
 from utils.rollout import completion_seeds, encode_prompts, generate_completions, stop_token_ids
 from utils.scoring import AnswerGrader, group_means, parse_completion, reasoning_states_answer
-from utils.video import budget_for, load_clips
+from utils.video import budget_for, load_clips, videos_of
 
 
 def row_messages(row, *, prompt_template, system_prompt=None):

@@ -14,6 +14,9 @@ A reward returns one float or None ("does not apply") per completion.
 
 `check_reward_call` reads a reward's signature against those keywords and the data set's columns, so a
 reward that needs a column the data lacks, or cannot take TRL's keywords, fails before any model loads.
+
+Mix-GRPO calls its one image reward as `reward(texts, images=..., **columns)` (`build_image_reward`,
+`score_images`): an image it gives no score is NaN, never 0.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 
 import torch
 
+from rewards import get_reward
 from rewards.common import TRAINER_KEYWORDS
 from utils.config import ConfigError
 
@@ -110,3 +114,33 @@ def call_rewards(reward_fns, names, *, prompts, completions, completion_ids, col
             if not math.isnan(value):
                 rewards[k, j] = value
     return rewards
+
+
+# ---- Mix-GRPO's image reward: one reward, called on (texts, images) with the rows' columns ----
+
+
+def build_image_reward(cfg):
+    """Mix-GRPO's image reward: --reward_fn with --reward_kwargs; server rewards get the endpoint lists (rank r:
+    endpoint r mod n)."""
+    options = dict(cfg.reward_kwargs)
+    if cfg.reward_fn == "geneval":
+        options.setdefault("reward_server_urls", cfg.reward_server_urls)
+        options.setdefault("reward_server_port", cfg.reward_server_port)
+    elif cfg.reward_fn in ("judge_geneval_plus", "judge_tiif"):
+        from rewards.common import process_rank
+        from rewards.geneval import server_endpoints
+
+        # An OpenAI-compatible judge serves /v1 (unlike the GenEval server, which serves "/").
+        endpoint = server_endpoints(cfg.reward_server_urls, cfg.reward_server_port)
+        endpoint = endpoint[process_rank() % len(endpoint)].rstrip("/")
+        options.setdefault("base_url", endpoint if endpoint.endswith("/v1") else endpoint + "/v1")
+    return get_reward(cfg.reward_fn, **options)
+
+
+def score_images(cfg, reward_fn, texts, images, rows):
+    """The image reward per image, every metadata column of the rows passed through. An image the reward gives no
+    score (None: e.g. a judge reply with no verdict) is NaN: left out of its group's mean and advantage (0) and
+    counted (`unscored`), never scored 0; a reward that fails raises."""
+    columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
+    scores = reward_fn(texts, images=images, **columns)
+    return torch.tensor([float("nan") if s is None else float(s) for s in scores], dtype=torch.float32)

@@ -23,10 +23,10 @@ import re
 
 import torch
 
-from utils.data import IMAGE_MARKER, images_of, videos_of
+from utils.data import IMAGE_MARKER, images_of
 from utils.prompts import RESPONSE_TEMPLATES, build_messages
 from utils.rollout import check_image_tokens, raise_for_sample
-from utils.video import VIDEO_MARKER, check_video_tokens, load_clips, processor_video_kwargs
+from utils.video import VIDEO_MARKER, check_video_tokens, load_clips, processor_video_kwargs, videos_of
 
 IGNORE_INDEX = -100
 
@@ -52,7 +52,7 @@ def vqa_conversation(row, *, response_template="crystal_json", prompt_template=N
 def sharegpt_conversation(row, *, system_prompt=None):
     """(messages, images) for a sharegpt row (utils.data.load_sharegpt): each `<image>` (`<video>`) marker becomes
     an image (video) item in place; `system_prompt` is prepended when the row has no system turn. The row's
-    videos are `utils.data.videos_of(row)`."""
+    videos are `utils.video.videos_of(row)`."""
     messages = []
     items = {IMAGE_MARKER: {"type": "image"}, VIDEO_MARKER: {"type": "video"}}
     for message in row["messages"]:
@@ -114,7 +114,7 @@ def _shift_past_expansions(span, replacements):
 def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length=None, videos=None,
                      video_budget=None):
     """Tokenize a batch of (messages, images) for SFT (right padding); `videos` (per sample, its videos as
-    `utils.data.videos_of` gives them) are sampled and sized under `video_budget` (utils.video).
+    `utils.video.videos_of` gives them) are sampled and sized under `video_budget` (utils.video).
 
     Returns the processor's model inputs (input_ids, attention_mask, pixel values ...) plus `labels`:
     input ids on assistant tokens, IGNORE_INDEX elsewhere. A row longer than `max_length` is cut at the

@@ -120,3 +120,9 @@ def load_tiif(path, *, split: str = "train") -> list[dict]:
             source.fail(row, "yn_answer_list", f"answers must be yes/no, got {bad!r}")
         item.setdefault("prompt", item["short_description"])
     return rows
+
+
+def load_prompts(cfg, path) -> list[dict]:
+    """Prompt rows of --dataset_name's schema (TIIF's, else GenEval's); a bad row is an error naming the file, the
+    row and the column."""
+    return load_tiif(path) if cfg.dataset_name == "tiif" else load_geneval(path)

@@ -292,7 +292,7 @@ def processor_video_kwargs(clips: list[Clip]) -> dict:
 
 
 def load_clips(videos_per_row, budget: VideoBudget) -> list[list[Clip]]:
-    """Clips for a batch: one list per row of its videos (see `utils.data.videos_of`). The last clips are kept
+    """Clips for a batch: one list per row of its videos (see `videos_of`). The last clips are kept
     (a group's prompt is encoded for the rollout, then again for vLLM or a regrouped micro-batch)."""
     return [[_cached_clip(tuple(v) if isinstance(v, list) else v, budget) for v in videos] for videos in videos_per_row]
 
@@ -377,10 +377,14 @@ def vllm_video_processor_kwargs(budget: VideoBudget) -> dict:
                               "size": {"shortest_edge": budget.min_pixels, "longest_edge": budget.max_pixels}}}
 
 
+def videos_of(row) -> list:
+    """A row's videos (column 'videos' of the loaders): each a file or folder path, or a list of frame paths."""
+    return [paths[0] if len(paths) == 1 and not paths[0].lower().endswith(FRAME_EXTENSIONS) else list(paths)
+            for paths in (row.get("videos") or [])]
+
+
 def row_clips(processor, rows, cfg) -> list[list[Clip]]:
     """The clips of data rows (column 'videos'), under the budget of a script's flags; [] per row without video."""
-    from utils.data import videos_of
-
     videos = [videos_of(row) for row in rows]
     if not any(videos):
         return [[] for _ in rows]

@@ -1,6 +1,6 @@
 """The flow-matching generator interface Mix-GRPO trains through, the sampler with SDE steps, and the step log-prob.
 
-A generator (an adapter over a diffusers pipeline, in `utils.flow_adapters`) offers:
+A generator (an adapter over a diffusers pipeline, in `utils.flow.adapters`) offers:
   encode_condition(prompts, images=None, *, height, width, negative_prompt) -> FlowCondition   once per rollout
   velocity(latents, timestep, cond, guidance)   the pipeline's CFG (true CFG, norm rescale) + a guidance interval
   schedule(num_steps, latents, shift=None)      the pipeline's set_timesteps call (its mu, or a fixed shift)
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from utils.flow_sde import ode_step, sde_std_t, sde_step_from_std
-from utils.models import adapters_disabled, has_adapters  # noqa: F401 (flow_adapters imports them from here)
+from utils.flow.sde import ode_step, sde_std_t, sde_step_from_std
+from utils.models import adapters_disabled
 
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -319,7 +319,7 @@ def sample(gen, cond, *, num_steps, sde_steps=(), guidance=None, noise_level=0.7
     """Draw cond.batch_size images: ODE steps except at the step indices in `sde_steps` (R3: one index shared by
     a group; MixGRPO: a sliding window), which are SDE steps whose transitions are recorded for training.
 
-    guidance: a Guidance (None = no CFG). noise_cap: "flow_grpo" | "r3" (std_t rule, see utils.flow_sde).
+    guidance: a Guidance (None = no CFG). noise_cap: "flow_grpo" | "r3" (std_t rule, see utils.flow.sde).
     shift: a fixed timestep shift instead of the pipeline's own. generator: a torch.Generator or one per sample,
     for the initial noise (unless `latents` is given) and the SDE noise. A condition with init_latents (SDEdit
     refine) starts at edit_start(num_steps, edit_strength) from the previous image re-noised to that sigma.
@@ -365,15 +365,3 @@ def step_logprob(gen, cond, step, *, guidance=None):
     _, log_prob, mean, std = sde_step_from_std(v, step.latents, step.sigma, step.sigma_next, step.std_t,
                                                prev_sample=step.next_latents)
     return log_prob, mean, std.reshape(-1)
-
-
-def load_flow_generator(name_or_path, *, dtype=torch.float32, device=None, components=None, **options):
-    """Pick the adapter from the folder's (or hub repo's) model_index.json and load it."""
-    from diffusers import DiffusionPipeline
-
-    from utils.flow_adapters import ADAPTERS
-
-    name = DiffusionPipeline.load_config(name_or_path)["_class_name"]
-    if name not in ADAPTERS:
-        raise ValueError(f"load_flow_generator: no adapter for {name}; known: {sorted(ADAPTERS)}")
-    return ADAPTERS[name].from_pretrained(name_or_path, dtype=dtype, device=device, components=components, **options)

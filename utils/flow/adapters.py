@@ -1,10 +1,11 @@
-"""Adapters of diffusers flow pipelines to the `utils.flow_generators` interface: Qwen-Image (+ Edit, Edit Plus),
+"""Adapters of diffusers flow pipelines to the `utils.flow.generators` interface: Qwen-Image (+ Edit, Edit Plus),
 Qwen-Image 2.1, SD3, FLUX.1, FLUX.2 Klein. Each one calls its pipeline's own encode_prompt, prepare_latents, packing
 and timestep-shift code, and copies only the lines of `__call__` that have no method (the transformer call, the VAE
 normalisation).
 
 Over 400 lines on purpose: six small adapters of one interface, side by side, so that what differs between the
-pipelines (conditioning, packing, schedule, VAE normalisation) can be read in one place."""
+pipelines (conditioning, packing, schedule, VAE normalisation) can be read in one place. The registry of pipeline
+class -> adapter (`ADAPTERS`) and its loader (`load_flow_generator`) close the file."""
 
 from __future__ import annotations
 
@@ -28,14 +29,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dime
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions as plus_dimensions
 
-from utils.flow_generators import (
-    DEFAULT_LORA_TARGETS,
-    FlowCondition,
-    FlowGenerator,
-    absent_components,
-    adapters_disabled,
-    has_adapters,
-)
+from utils.flow.generators import DEFAULT_LORA_TARGETS, FlowCondition, FlowGenerator, absent_components
+from utils.models import adapters_disabled, has_adapters
 
 
 def _to_pil(images, image_processor):
@@ -660,5 +655,16 @@ ADAPTERS = {
     "Flux2KleinPipeline": Flux2KleinGenerator,
 }
 
+
+def load_flow_generator(name_or_path, *, dtype=torch.float32, device=None, components=None, **options):
+    """Pick the adapter from the folder's (or hub repo's) model_index.json and load it."""
+    from diffusers import DiffusionPipeline
+
+    name = DiffusionPipeline.load_config(name_or_path)["_class_name"]
+    if name not in ADAPTERS:
+        raise ValueError(f"load_flow_generator: no adapter for {name}; known: {sorted(ADAPTERS)}")
+    return ADAPTERS[name].from_pretrained(name_or_path, dtype=dtype, device=device, components=components, **options)
+
+
 __all__ = ["ADAPTERS", "Flux2KleinGenerator", "FluxGenerator", "QwenImage21Generator", "QwenImageEditPlusGenerator",
-           "QwenImageGenerator", "SD3Generator"]
+           "QwenImageGenerator", "SD3Generator", "load_flow_generator"]

@@ -1,0 +1,102 @@
+"""The import arrows: the library (utils/, kernels/, rewards/, tiny/) and the benches import no top-level script,
+and no module imports its way back to itself. Every import counts, those inside functions too (a circle hidden in
+a function body still ties the two modules together). Read from the source; nothing is imported."""
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("train_grpo", "train_sft", "train_mixgrpo", "evaluate", "distill", "iterate")
+LIBRARY = ("utils", "kernels", "rewards", "tiny", "bench")
+# bench_grpo.py times train_grpo.main itself (as a test runs a script): the script is what it measures.
+MEASURES_A_SCRIPT = {("bench.bench_grpo", "train_grpo")}
+
+
+def project_modules():
+    """{dotted module name: path} of the scripts and every .py under LIBRARY (tests/ are left out: they import
+    the scripts they test)."""
+    modules = {name: os.path.join(REPO, f"{name}.py") for name in SCRIPTS}
+    for top in LIBRARY:
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, f), REPO)[:-3].replace(os.sep, ".")
+                    modules[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, f)
+    return modules
+
+
+def imports_of(name, path, modules):
+    """The project modules `name` imports anywhere in its file: `from pkg import sub` names the submodule where
+    there is one, else the package; relative imports resolve against the module's package."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import utils.flow.sde` reads utils/flow/sde.py
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph():
+    modules = project_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_library_module_or_bench_imports_a_top_level_script():
+    bad = sorted(f"{name} imports {target}" for name, targets in import_graph().items()
+                 if name.split(".")[0] in LIBRARY for target in targets
+                 if target in SCRIPTS and (name, target) not in MEASURES_A_SCRIPT)
+    assert not bad, "a script is a program, not a library; move what these need into utils/: " + "; ".join(bad)
+
+
+def find_cycle(graph):
+    """One import circle as [a, b, ..., a], or None (depth-first search, nodes in sorted order)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_project_import_graph_has_no_circle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_walk_sees_function_level_imports_relative_imports_and_circles(tmp_path):
+    # the checks above are only as good as this reader: a circle through a function body and a relative import
+    src = tmp_path / "m.py"
+    src.write_text("import os\n\ndef f():\n    from utils.b import X\n    from . import c\n")
+    modules = {"utils.a": str(src), "utils.b": "", "utils.c": "", "train_sft": ""}
+    assert imports_of("utils.a", str(src), modules) == {"utils.b", "utils.c"}
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None

@@ -1,0 +1,64 @@
+"""The tiny generator's build config (tiny/generator.py's flags) and its cache key. A module of its own so that
+tiny.cache keys and checks a build without importing the builder, which reads its cached text encoders from
+tiny.cache: the arrows run generator -> cache -> generator_config, never back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TinyGeneratorConfig:
+    output_dir: str = "outputs/tiny-generator"  # the QwenImagePipeline folder to write
+    # the frozen VLM whose last hidden states condition it: tiny|tiny-sft|tiny-planner|a path. The untrained tiny VLM
+    # keeps every word in its states; a trained tiny LM's last layer keeps only what predicts the next token, so a
+    # colour or shape word moves its state by ~0.13 (normalised) against ~1.1, and the generator learns to ignore it
+    text_encoder: str = "tiny"
+    plan: bool = True  # condition on "prompt\nscene plan" as train_mixgrpo on prompt + reasoning; off: prompt alone
+    image_size: int = 32  # px; the VAE halves it, and 2 x 2 latent patches make (image_size / 4)^2 image tokens
+    train_rows: int = 4096  # synthetic rows (make_t2i_prompts seed `seed`), each rendered once as ground truth
+    seed: int = 0
+    threads: int = 1  # torch threads, pinned: the thread count changes float sums, and with them the cache
+    negative_prompt: str = " "  # the adapter's default negative prompt, the unconditional branch of CFG
+
+    # VAE (AutoencoderKLQwenImage)
+    vae_base_dim: int = 8
+    vae_z_dim: int = 4
+    vae_dim_mult: list[int] = field(default_factory=lambda: [1, 2])  # one 2x down-sampling per entry after the first
+    vae_steps: int = 600
+    vae_batch_size: int = 16
+    vae_lr: float = 3e-3  # AdamW (0.9, 0.99), 20 warm-up steps, cosine to 0, grad clip 1
+    vae_ink_weight: float = 10.0  # squared-error weight of ink pixels and their 1 px ring (the canvas is mostly white)
+    vae_kl_weight: float = 1e-4
+    vae_latent_noise: float = 0.5  # decoder trained on latents + U(0, this) x (their std) noise: it learns to snap
+
+    # Transformer (QwenImageTransformer2DModel)
+    num_layers: int = 4
+    num_attention_heads: int = 2
+    attention_head_dim: int = 32
+    shift: float = 1.0  # FlowMatchEulerDiscreteScheduler shift of the saved pipeline (sampling schedule)
+
+    # Flow matching
+    steps: int = 8000  # held-out 0.47 (0.32 with another row's plan); 3000 steps: 0.35 (docs/tiny.md)
+    batch_size: int = 32
+    learning_rate: float = 2e-3  # AdamW (0.9, 0.99), linear warm-up, cosine to 0, grad clip 1
+    warmup_steps: int = 30
+    cfg_dropout: float = 0.1  # share of rows trained on the negative prompt's encoding
+    logit_mean: float = 0.0  # sigma = sigmoid(N(logit_mean, logit_std)) (SD3's logit-normal)
+    logit_std: float = 1.0
+    ema_decay: float = 0.995  # > 0: the saved transformer is the exponential moving average of its weights
+    log_every: int = 50
+
+    def __post_init__(self):
+        factor = 2 ** len(self.vae_dim_mult)  # the VAE's down-sampling, then 2 x 2 latent patches per token
+        if self.image_size % factor:
+            raise ValueError(f"--image_size {self.image_size}: must be a multiple of {factor} (VAE "
+                             f"{factor // 2}x down-sampling, then 2 x 2 latent patches)")
+        if self.attention_head_dim % 4:
+            raise ValueError(f"--attention_head_dim {self.attention_head_dim}: must be a multiple of 4 (3-axis RoPE)")
+        if not 0 <= self.cfg_dropout < 1:
+            raise ValueError(f"--cfg_dropout {self.cfg_dropout}: must be in [0, 1)")
+
+    def spec(self) -> dict:
+        """What the built weights depend on (the cache key): everything but where they are written."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("output_dir", "log_every")}
