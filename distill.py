@@ -33,7 +33,7 @@ from typing import Optional
 
 import PIL.Image
 
-from tiny.cache import REPO, TINY_DATASET, resolve_tiny_name, shapes_dataset_path
+from tiny.cache import REPO, TINY_DATASET, resolve_dataset, resolve_tiny_name
 from utils.chains import DROP_REASONS, REFLECTION_MARKERS, SELECT_RULES, Grader, filter_chains
 from utils.config import ConfigError, choice, parse_config, save_config
 from utils.data import IMAGE_MARKER, images_of, load_vqa, render_question
@@ -395,7 +395,7 @@ def main(cfg: DistillConfig):
     save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
 
     # ---- questions (validated before any model is loaded or request sent), minus those finished earlier ----
-    path = shapes_dataset_path() if cfg.dataset == TINY_DATASET else cfg.dataset
+    path = resolve_dataset(cfg.dataset)
     dataset = load_vqa(path, split=cfg.split, image_column=cfg.image_column, question_column=cfg.question_column,
                        answer_column=cfg.answer_column, choices_column=cfg.choices_column, id_column=cfg.id_column,
                        require_steps=False)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from tiny.cache import TINY_DATASET, shapes_dataset_path
+from tiny.cache import TINY_DATASET, resolve_dataset
 from utils.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.config import choice, config_to_dict, parse_config
 from utils.data import load_vqa, render_question
@@ -161,7 +161,7 @@ def load_rows(cfg):
         from utils.benchmarks import load_benchmark
 
         return load_benchmark(cfg.benchmark, cfg.dataset, split=cfg.split, max_samples=cfg.max_samples)
-    path = shapes_dataset_path() if cfg.dataset == TINY_DATASET else cfg.dataset
+    path = resolve_dataset(cfg.dataset)
     dataset = load_vqa(path, split=cfg.split, image_column=cfg.image_column, question_column=cfg.question_column,
                        answer_column=cfg.answer_column, steps_column=cfg.steps_column,
                        choices_column=cfg.choices_column, id_column=cfg.id_column,

@@ -317,10 +317,10 @@ def write_rows_once(out, source, make):
 
 
 def _load_rows(dataset, split, cfg):
-    from tiny.cache import shapes_dataset_path
+    from tiny.cache import resolve_dataset
     from utils.data import load_vqa
 
-    path = shapes_dataset_path() if dataset == TINY_DATASET else dataset
+    path = resolve_dataset(dataset)
     return load_vqa(path, split=split, image_column=cfg.rl_image_column, question_column=cfg.rl_question_column,
                     answer_column=cfg.rl_answer_column, require_steps=False)
 

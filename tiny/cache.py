@@ -2,9 +2,10 @@
 from them, built on first use and cached under outputs/tiny-cache/ (docs/tiny.md says what such a model can
 learn).
 
-Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-base` and `tiny-reasoner` (the OpenVLThinker
-cycle's base VLM and text reasoner, tiny/cycle.py), `tiny-planner` (the Mix-GRPO warm start) and
-`--dataset_name synthetic:shapes` resolve here; anything else is passed through untouched.
+Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-video-sft` (the video task's warm start), `tiny-base`
+and `tiny-reasoner` (the OpenVLThinker cycle's base VLM and text reasoner, tiny/cycle.py), `tiny-planner` (the
+Mix-GRPO warm start) and the data sets `synthetic:shapes` and `synthetic:video` (tiny/video_shapes.py) resolve here;
+anything else is passed through untouched.
 """
 
 import hashlib
@@ -15,13 +16,16 @@ import shutil
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = "tiny"
 TINY_SFT_MODEL = "tiny-sft"  # the tiny VLM after train_sft.py's tiny recipe: the warm start of tiny GRPO
+TINY_VIDEO_SFT_MODEL = "tiny-video-sft"  # tiny-sft after SFT on the video task: the warm start of tiny video GRPO
 TINY_BASE_MODEL = "tiny-base"  # the tiny VLM pre-trained to describe scenes: the cycle's base and captioner
 TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason over scene descriptions
 TINY_PLANNER_MODEL = "tiny-planner"  # a word-level tiny VLM taught to write scene plans: the Mix-GRPO warm start
 TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-planner
 TINY_DATASET = "synthetic:shapes"
+TINY_VIDEO_DATASET = "synthetic:video"
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
+TINY_VIDEO_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_video_sft.yaml")
 TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_base.yaml")
 TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.yaml")
 TINY_PLANNER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_planner.yaml")
@@ -33,6 +37,8 @@ CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-ca
 # this small learns by SFT, and improves on with RL (docs/tiny.md).
 SHAPES_KINDS = ["count", "count_color"]
 SHAPES_SPLITS = {"train": dict(n=4000, seed=0, kinds=SHAPES_KINDS), "test": dict(n=256, seed=1, kinds=SHAPES_KINDS)}
+# The video task's clips (8 frames at 4 fps, 84 x 84); train and held-out rows from different seeds.
+VIDEO_SPLITS = {"train": dict(n=4000, seed=0), "test": dict(n=256, seed=1)}
 TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, vision_depth=2, image_size=84, seed=0)
 TINY_LLM = dict(hidden_size=128, num_hidden_layers=2, seed=0)
 # The planner's base: the tiny VLM with every merge its tokenizer corpus has (~530 tokens; 1024 is more than there
@@ -89,6 +95,31 @@ def shapes_dataset_path():
     return cached("shapes", SHAPES_SPLITS, build)
 
 
+def video_dataset_path():
+    """The video task's folder: clips/ and train.jsonl, test.jsonl (tiny/video_shapes.py)."""
+    from tiny import video_shapes
+
+    def build(out):
+        for split, spec in VIDEO_SPLITS.items():
+            video_shapes.save_video_vqa(out, split=split, **spec)
+
+    return cached("video", _video_spec(), build)
+
+
+def _video_spec():
+    from tiny import video_shapes
+
+    return {"splits": VIDEO_SPLITS, "source": _source(*[getattr(video_shapes, name) for name in (
+        "_frames", "_direction", "_count_frames", "_last", "write_clip", "save_video_vqa")])}
+
+
+def resolve_dataset(name):
+    """The folder of a synthetic data set name (built on first use); any other name or path unchanged."""
+    if name == TINY_DATASET:
+        return shapes_dataset_path()
+    return video_dataset_path() if name == TINY_VIDEO_DATASET else name
+
+
 def _trained(name, recipe, spec, args=()):
     """train_sft.py's `recipe` (plus `args`), run once in its own process and reused while the recipe and `spec`
     stay the same; returns the run's last checkpoint."""
@@ -121,6 +152,14 @@ def _trained(name, recipe, spec, args=()):
 def tiny_sft_path():
     """The warm start of tiny GRPO: train_sft.py's tiny recipe on the tiny VLM and the shapes data."""
     return _trained("tiny-sft", TINY_SFT_RECIPE, {"model": TINY_VLM, "data": SHAPES_SPLITS})
+
+
+def tiny_video_sft_path():
+    """The warm start of the tiny video task: tiny-sft (which has learnt to see the shapes and to answer in the
+    CRYSTAL format) after a short SFT on the video clips (recipes/stages/tiny_video_sft.yaml)."""
+    spec = {"tiny-sft": _tiny_sft_spec(), "video": _video_spec()}
+    return _trained("tiny-video-sft", TINY_VIDEO_SFT_RECIPE, spec, ["--model_name_or_path", tiny_sft_path(),
+                                                                     "--dataset_name", video_dataset_path()])
 
 
 def _source(*objects):
@@ -208,8 +247,9 @@ def tiny_planner_path():
                                                                  "--dataset_name", data])
 
 
-TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_BASE_MODEL: tiny_base_path,
-               TINY_REASONER_MODEL: tiny_reasoner_path, TINY_PLANNER_MODEL: tiny_planner_path}
+TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_VIDEO_SFT_MODEL: tiny_video_sft_path,
+               TINY_BASE_MODEL: tiny_base_path, TINY_REASONER_MODEL: tiny_reasoner_path,
+               TINY_PLANNER_MODEL: tiny_planner_path}
 
 
 def resolve_tiny_name(name):
@@ -262,7 +302,7 @@ def resolve_tiny(cfg, accelerator):
     """(model path, dataset path) for a config, building the tiny pieces on the main process first."""
     with accelerator.main_process_first():
         model = resolve_tiny_name(cfg.model_name_or_path)
-        data = shapes_dataset_path() if cfg.dataset_name == TINY_DATASET else cfg.dataset_name
+        data = resolve_dataset(cfg.dataset_name)
     return model, data
 
 

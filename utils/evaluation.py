@@ -135,11 +135,11 @@ def load_eval_set(cfg, accelerator):
     with the same flags as the training data."""
     if not cfg.eval_dataset_name:
         return None
-    from tiny.cache import TINY_DATASET, shapes_dataset_path
+    from tiny.cache import resolve_dataset
     from utils.data import load_vqa
 
     with accelerator.main_process_first():
-        path = shapes_dataset_path() if cfg.eval_dataset_name == TINY_DATASET else cfg.eval_dataset_name
+        path = resolve_dataset(cfg.eval_dataset_name)
     return load_vqa(path, split=cfg.eval_split, image_column=cfg.image_column, question_column=cfg.question_column,
                     answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
                     require_steps=False, video_column=getattr(cfg, "video_column", "video"))
