@@ -63,3 +63,33 @@ def write_headers_only(path):
     with open(path, "wb") as f:
         f.write(data[: data.index(b"\x1f\x43\xb6\x75")])  # the Matroska Cluster element id
     return str(path)
+
+
+def fake_vllm_video_rollout(model, processor, media, cfg, budget, *, name="/tiny"):
+    """Two one-video prompts (clip.mp4, slow.mp4 under `media`) through VLLMRollout on the fake engine; checks that
+    the engine gets the trainer's prompt ids and its sampled frames, and returns (engine, clips)."""
+    import torch
+    from accelerate import Accelerator
+
+    from tests.vllm_helpers import FakeVLLM
+    from utils.logprobs import CompletionLogProbs
+    from utils.prompts import build_messages
+    from utils.rollout import encode_prompts, stop_token_ids
+    from utils.video import load_clips
+    from utils.vllm_rollout import VLLMRollout, prompt_token_ids
+
+    FakeVLLM.engines.clear()
+    rollout = VLLMRollout(name, Accelerator(cpu=True), cfg, processor=processor, model_config=model.config,
+                          vllm=FakeVLLM, max_videos_per_prompt=1, video_budget=budget)
+    llm = FakeVLLM.engines[0]
+    clips = load_clips([[os.path.join(media, "clip.mp4")], [os.path.join(media, "slow.mp4")]], budget)
+    messages = [build_messages("Which way?", num_images=0, num_videos=1, template="plain")] * 2
+    batch = encode_prompts(processor, messages, [[], []], sample_ids=["a", "b"], videos=clips)
+    rollout.generate(CompletionLogProbs(model), processor, messages, [[], []], [1, 2], step=0,
+                     stop_ids=stop_token_ids(model, processor.tokenizer), prompt_batch=batch, videos=clips)
+    assert [p["prompt_token_ids"] for p in llm.prompts] == prompt_token_ids(batch)
+    for prompt, clip in zip(llm.prompts, clips):
+        (frames, meta), = prompt["multi_modal_data"]["video"]
+        assert frames.dtype.name == "uint8" and meta["do_sample_frames"] is False
+        assert torch.equal(torch.from_numpy(frames).permute(0, 3, 1, 2), clip[0].frames)
+    return llm, clips
