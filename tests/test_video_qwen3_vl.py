@@ -66,8 +66,9 @@ def test_vllm_gets_the_trainers_prompt_ids_and_the_sampled_frames(media, family_
     from tests.video_helpers import fake_vllm_video_rollout
     from tests.vllm_helpers import DIST_KEYS
 
-    for key in DIST_KEYS:
-        monkeypatch.delenv(key, raising=False)
+    for key in DIST_KEYS:  # set, then unset: the engine's setup writes them, and the teardown must remove them
+        monkeypatch.setenv(key, "x")
+        monkeypatch.delenv(key)
     model, processor = family_models("qwen3_vl")
     llm, clips = fake_vllm_video_rollout(model, processor, str(media), _cfg(), _budget(processor),
                                          name="/tiny-qwen3-vl")
@@ -133,3 +134,34 @@ def test_train_sft_train_grpo_and_evaluate_on_video_rows(media, tmp_path):
         model=str(sft_out / "checkpoint-3"), dataset=vqa, split="train", max_new_tokens=4, metrics=["accuracy"],
         batch_size=2, output_dir=str(tmp_path / "eval"), **FLAGS))
     assert result["samples"] == 4
+
+
+@torch.no_grad()
+def test_a_groups_completions_share_one_video_prompt_pass_and_prefill(media, family_models):
+    """Qwen3-VL video prompts take the shared prompt pass: log-probs (padded and packed) equal a plain forward of
+    the expanded prompts, and a shared-prefill rollout samples what the unshared one does."""
+    from tests.test_video_train import _completions, _plain_forward_logprobs
+    from utils.logprobs import CompletionLogProbs, can_share_prompts
+    from utils.prompts import build_messages
+    from utils.rollout import encode_prompts, generate_completions
+    from utils.video import load_clips
+
+    model, processor = family_models("qwen3_vl")
+    assert can_share_prompts(model, [0, 0], [1, 1]) and not can_share_prompts(model, [0, 0], [2, 1])
+    clips = load_clips([[str(media / "clip.mp4")], [str(media / "slow.mp4")]], _budget(processor))
+    messages = [build_messages(q, num_images=0, num_videos=1, template="plain") for q in ("Which way?", "And now?")]
+    index = [0, 0, 1, 1]
+    expanded = encode_prompts(processor, [messages[i] for i in index], [[] for _ in index],
+                              sample_ids=[str(i) for i in index], videos=[clips[i] for i in index])
+    shared = encode_prompts(processor, messages, [[], []], sample_ids=["0", "1"], videos=clips)
+    ids, mask = _completions(processor)
+    reference = _plain_forward_logprobs(model, expanded, ids, mask)
+    for padding_free in (False, True):
+        scorer = CompletionLogProbs(model, padding_free=padding_free).eval()
+        together = scorer(shared, ids, mask, prompt_index=torch.tensor(index))
+        torch.testing.assert_close(together * mask, reference, atol=2e-5, rtol=1e-4)
+    kwargs = dict(row_seeds=torch.arange(4), max_new_tokens=5, temperature=1.0,
+                  eos_token_id=processor.tokenizer.eos_token_id, pad_token_id=processor.tokenizer.pad_token_id)
+    alone = generate_completions(model, expanded, **kwargs)
+    together = generate_completions(model, shared, prompt_index=index, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))

@@ -130,15 +130,17 @@ class CompletionLogProbs(nn.Module):
 # pixel rows are one per image (no pan-and-scan crops: see shared_prompt_pixel_rows); SmolVLM/Idefics3 and
 # LLaVA-OneVision keep one pixel row per prompt. docs/models.md lists the families left out and why.
 SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "gemma3", "idefics3", "llava_onevision")
+# with one video per prompt (tests/test_video_train.py, tests/test_video_qwen3_vl.py)
+VIDEO_SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def can_share_prompts(model, images_per_prompt, videos_per_prompt=None):
     """Whether a group's completions can share one prompt pass: text-only models, and the SHARED_PROMPT_FAMILIES
-    with one image per prompt; with videos (Qwen2-VL / Qwen2.5-VL), one video per prompt and one image per prompt
-    or none (pixel_values_videos split by video_grid_thw)."""
+    with one image per prompt; with videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), one video per prompt and one image per
+    prompt or none (pixel_values_videos split by video_grid_thw; Qwen3-VL's timestamps are prompt text)."""
     config = hf_core(model).config
     if videos_per_prompt is not None and any(videos_per_prompt):
-        return (config.model_type in ("qwen2_vl", "qwen2_5_vl") and all(n == 1 for n in videos_per_prompt)
+        return (config.model_type in VIDEO_SHARED_PROMPT_FAMILIES and all(n == 1 for n in videos_per_prompt)
                 and len(set(images_per_prompt)) == 1 and images_per_prompt[0] in (0, 1))
     if all(n == 0 for n in images_per_prompt):
         return not hasattr(config, "vision_config")
