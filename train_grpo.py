@@ -30,11 +30,18 @@ from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, st
 from utils.data import images_of, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
-from utils.groups import choose_groups, has_spread, refill_sizes, split_groups, weighted_rewards
+from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
 from utils.hub import HubUploader
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
-from utils.losses import ENTROPY_THRESHOLD, IMPORTANCE_LEVELS, LOSS_TYPES, clipped_policy_loss, high_entropy_mask
+from utils.losses import (
+    ENTROPY_THRESHOLD,
+    IMPORTANCE_LEVELS,
+    LOSS_TYPES,
+    accumulation_divisor,
+    clipped_policy_loss,
+    high_entropy_mask,
+)
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.packing import resolve_padding_free
 from utils.pcgrad import PCGradAccumulator
@@ -389,74 +396,15 @@ def main(cfg: GRPOConfig):
                        total_steps=max_steps, start_step=global_step)
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
 
-    def evaluate():
-        return evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
-
-    def sample_micro_batch(prompt_idx, micro, reward_log):
-        """Rollout of one micro-batch (G completions per prompt, spread over the processes) and its rewards,
-        gathered so that every process sees whole groups. A refill under --dynamic_sampling may hold fewer
-        prompts than a full micro-batch (still a whole number of completions per process)."""
-        global_rows = [i for i in prompt_idx for _ in range(G)]
-        b = len(global_rows) // world  # completions per process: B, or fewer in a refill
-        mine = slice(rank * b, (rank + 1) * b)
-        rows = [dataset[i] for i in global_rows[mine]]
-        ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[mine])]
-        seeds = completion_seeds(cfg.seed, round_index,
-                                 range(micro * B * world + rank * b, micro * B * world + (rank + 1) * b))
-        t0 = time.perf_counter()
-        out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[mine], sample_ids=ids, seeds=seeds,
-                      stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=global_step)
-        timings["generation"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
-        columns = {c: [r[c] for r in rows] for c in dataset.column_names}
-        before = {column: len(values) for column, values in reward_log.extra.items()}
-        local_rewards = call_rewards(reward_fns, cfg.reward_funcs, prompts=out["messages"],
-                                     completions=as_conversation(out["texts"]), completion_ids=token_ids,
-                                     columns=columns, trainer_state=trainer_state, log=reward_log)
-        mb = dict(out, rows=rows, ids=ids, keys=global_rows[mine], prompt_rows=list(prompt_idx), token_ids=token_ids,
-                  extra={k: v[before.get(k, 0):] for k, v in reward_log.extra.items()},
-                  rewards=accelerator.gather(local_rewards.to(accelerator.device)).cpu())
-        if cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
-            mb["all_token_ids"] = [t for part in gather_object([token_ids]) for t in part]
-            if out["sampler_logps"] is not None:
-                mine_logps = [lp[m.bool()].tolist() for lp, m in zip(out["sampler_logps"], out["completion_mask"])]
-                mb["all_sampler_logps"] = [lp for part in gather_object([mine_logps]) for lp in part]
-        timings["rewards"] += time.perf_counter() - t0
-        return mb
-
-    def rebuild_micro_batch(groups):
-        """A micro-batch of kept groups (from any micro-batch, any process): this process re-encodes its prompts
-        and takes its completions' token ids from the gathered ones."""
-        global_rows = [g["prompt"] for g in groups for _ in range(G)]
-        token_ids = [t for g in groups for t in g["token_ids"]][local]
-        rows = [dataset[i] for i in global_rows[local]]
-        ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
-        messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator,
-                                                           keys=global_rows[local], sample_ids=ids)
-        width = max(len(t) for t in token_ids)
-        completion_ids = torch.full((len(token_ids), width), tokenizer.pad_token_id, dtype=torch.long)
-        completion_mask = torch.zeros_like(completion_ids)
-        for k, t in enumerate(token_ids):
-            completion_ids[k, :len(t)] = torch.tensor(t, dtype=torch.long)
-            completion_mask[k, :len(t)] = 1
-        texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)
-        sampler_logps = None
-        if groups[0]["sampler_logps"] is not None:  # vLLM's log-probs travel with their completions
-            sampler_logps = torch.zeros(completion_ids.shape)
-            for k, lp in enumerate([lp for g in groups for lp in g["sampler_logps"]][local]):
-                sampler_logps[k, :len(lp)] = torch.tensor(lp)
-            sampler_logps = sampler_logps.to(accelerator.device)
-        return dict(prompt_batch=prompt_batch, prompt_index=prompt_index,
-                    completion_ids=completion_ids.to(accelerator.device),
-                    completion_mask=completion_mask.to(accelerator.device), texts=texts, messages=messages, rows=rows,
-                    ids=ids, keys=global_rows[local], token_ids=token_ids, extra={},
-                    rewards=torch.cat([g["rewards"] for g in groups]), sampler_logps=sampler_logps)
+    # the rollout's inputs that stay fixed for the run; each step adds its round, step, trainer state and logs
+    rollout_inputs = dict(policy=policy, processor=processor, dataset=dataset, reward_fns=reward_fns, cfg=cfg,
+                          accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm)
+    loss_divisor = accumulation_divisor(cfg.loss_type, GA)  # a micro-batch's loss / this = its share of the step
 
     heldout_before = state.get("heldout_before")
     if eval_set is not None and cfg.eval_before and global_step == 0:
-        heldout_before = evaluate()
+        heldout_before = evaluate_policy(policy, processor, eval_set, cfg, accelerator,
+                                         prompt_template=cfg.prompt_template)
         accelerator.print(f"held-out accuracy before GRPO: {heldout_before['accuracy']:.3f} "
                           f"({heldout_before['samples']} questions)")
     train_start = time.perf_counter()
@@ -468,24 +416,21 @@ def main(cfg: GRPOConfig):
         trainer_state = TrainerState(global_step=global_step, max_steps=max_steps)
         reward_log = RewardLog()
         policy.eval()
-        generated = [sample_micro_batch(sampler.take(prompts_per_micro, global_step), micro, reward_log)
+        step_inputs = dict(rollout_inputs, round_index=round_index, step=global_step, trainer_state=trainer_state,
+                           reward_log=reward_log, timings=timings)
+        generated = [sample_micro_batch(sampler.take(prompts_per_micro, global_step), micro, **step_inputs)
                      for micro in range(GA)]
         # DAPO dynamic sampling: keep only groups whose rewards vary, and refill the step from new prompts
         sampling = {}
         if cfg.dynamic_sampling:
-            extra_rounds = 0
-            while True:
-                groups = split_groups(generated, G, reward_weights, cfg.use_pcgrad)
-                missing = GA * prompts_per_micro - sum(g["spread"] for g in groups)
-                if missing <= 0 or extra_rounds == cfg.max_resample_rounds:
-                    break
-                extra_rounds += 1  # refill with as many new prompts as groups are missing
-                for n in refill_sizes(missing, prompts_per_micro, G, world):
-                    generated.append(sample_micro_batch(sampler.take(n, global_step), len(generated), reward_log))
+            groups, extra_rounds = dynamic_sampling(
+                generated, lambda n, micro: sample_micro_batch(sampler.take(n, global_step), micro, **step_inputs),
+                GA * prompts_per_micro, prompts_per_micro, G, world, reward_weights, cfg.use_pcgrad,
+                cfg.max_resample_rounds)
             t0 = time.perf_counter()
             chosen = choose_groups(groups, GA * prompts_per_micro)
-            batches = [rebuild_micro_batch(chosen[m * prompts_per_micro:(m + 1) * prompts_per_micro])
-                       for m in range(GA)]
+            batches = [rebuild_micro_batch(chosen[m * prompts_per_micro:(m + 1) * prompts_per_micro], policy,
+                                           processor, dataset, cfg, accelerator) for m in range(GA)]
             timings["generation"] += time.perf_counter() - t0
             sampling = {"frac_zero_std_groups": 1.0 - sum(g["spread"] for g in groups) / len(groups),
                         "resample_rounds": extra_rounds, "generated_groups": len(groups)}
@@ -552,10 +497,9 @@ def main(cfg: GRPOConfig):
                     if cfg.top_entropy_quantile < 1.0:  # quantile over the micro-batch of every process (TRL)
                         loss_kw["entropy_mask"] = high_entropy_mask(entropy, mb["loss_mask"], cfg.top_entropy_quantile,
                                                                     gather=gather_padded(accelerator))
-                    # accelerate divides by GA; dapo's normaliser already spans the whole step
-                    scale = 1.0 if cfg.loss_type == "dapo" else 1.0 / GA
                     if pcgrad:
-                        loss, stats = pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw)
+                        loss, stats = pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, 1.0 / loss_divisor,
+                                                    **loss_kw)
                         if accelerator.sync_gradients:
                             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + global_step)
                             pcgrad.write_gradients(reduce=(lambda t: accelerator.reduce(t, "mean")) if world > 1
@@ -563,13 +507,14 @@ def main(cfg: GRPOConfig):
                     else:
                         loss, stats = clipped_policy_loss(logps, old, mb["advantages"], mb["loss_mask"],
                                                           beta=cfg.beta, **loss_kw)
-                        accelerator.backward(loss * GA if cfg.loss_type == "dapo" else loss)
+                        # accelerate divides by GA: what reaches the gradients is the micro-batch's step share
+                        accelerator.backward(loss * (GA / loss_divisor))
                     if accelerator.sync_gradients and cfg.max_grad_norm:
                         grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad()
                 timings["backward"] += time.perf_counter() - t0
-                step_loss += loss.detach() if cfg.loss_type == "dapo" else loss.detach() / GA
+                step_loss += loss.detach() / loss_divisor
                 step_stats.append(stats)
             scheduler.step()
             global_step += 1
@@ -606,7 +551,7 @@ def main(cfg: GRPOConfig):
     summary = dict(global_step=global_step, train_runtime=train_runtime, peak_memory_mb=peak_memory_mb(),
                    **(logger.last_metrics or {}))
     if eval_set is not None:
-        after = evaluate()
+        after = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
         logger.log(global_step, {f"heldout_{k}": v for k, v in after.items()})
         summary.update({f"heldout_{k}_after": v for k, v in after.items()})
         if heldout_before:
@@ -740,6 +685,77 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
                                    skip_special_tokens=True)
     return dict(prompt_batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids,
                 completion_mask=completion_mask, texts=texts, messages=messages, sampler_logps=sampler_logps)
+
+
+def sample_micro_batch(prompt_idx, micro, *, round_index, step, trainer_state, policy, processor, dataset,
+                       reward_fns, cfg, accelerator, stop_ids, suppress_ids, vllm, reward_log, timings):
+    """Rollout of micro-batch `micro` of round `round_index` (G completions per prompt, spread over the processes)
+    and its rewards, gathered so that every process sees whole groups. A refill under --dynamic_sampling may hold
+    fewer prompts than a full micro-batch (still a whole number of completions per process). The rewards' logged
+    columns go to `reward_log`, the seconds spent to the step's `timings`."""
+    G, B = cfg.num_generations, cfg.per_device_train_batch_size
+    rank, world = accelerator.process_index, accelerator.num_processes
+    global_rows = [i for i in prompt_idx for _ in range(G)]
+    b = len(global_rows) // world  # completions per process: B, or fewer in a refill
+    mine = slice(rank * b, (rank + 1) * b)
+    rows = [dataset[i] for i in global_rows[mine]]
+    ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[mine])]
+    seeds = completion_seeds(cfg.seed, round_index,
+                             range(micro * B * world + rank * b, micro * B * world + (rank + 1) * b))
+    t0 = time.perf_counter()
+    out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[mine], sample_ids=ids, seeds=seeds,
+                  stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=step)
+    timings["generation"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+    columns = {c: [r[c] for r in rows] for c in dataset.column_names}
+    before = {column: len(values) for column, values in reward_log.extra.items()}
+    local_rewards = call_rewards(reward_fns, cfg.reward_funcs, prompts=out["messages"],
+                                 completions=as_conversation(out["texts"]), completion_ids=token_ids,
+                                 columns=columns, trainer_state=trainer_state, log=reward_log)
+    mb = dict(out, rows=rows, ids=ids, keys=global_rows[mine], prompt_rows=list(prompt_idx), token_ids=token_ids,
+              extra={k: v[before.get(k, 0):] for k, v in reward_log.extra.items()},
+              rewards=accelerator.gather(local_rewards.to(accelerator.device)).cpu())
+    if cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
+        mb["all_token_ids"] = [t for part in gather_object([token_ids]) for t in part]
+        if out["sampler_logps"] is not None:
+            mine_logps = [lp[m.bool()].tolist() for lp, m in zip(out["sampler_logps"], out["completion_mask"])]
+            mb["all_sampler_logps"] = [lp for part in gather_object([mine_logps]) for lp in part]
+    timings["rewards"] += time.perf_counter() - t0
+    return mb
+
+
+def rebuild_micro_batch(groups, policy, processor, dataset, cfg, accelerator):
+    """A micro-batch of kept groups (from any micro-batch, any process): this process re-encodes its prompts
+    and takes its completions' token ids from the gathered ones."""
+    G, B, rank = cfg.num_generations, cfg.per_device_train_batch_size, accelerator.process_index
+    local = slice(rank * B, (rank + 1) * B)  # this process's completions of a micro-batch
+    tokenizer = getattr(processor, "tokenizer", processor)
+    global_rows = [g["prompt"] for g in groups for _ in range(G)]
+    token_ids = [t for g in groups for t in g["token_ids"]][local]
+    rows = [dataset[i] for i in global_rows[local]]
+    ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
+    messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator,
+                                                       keys=global_rows[local], sample_ids=ids)
+    width = max(len(t) for t in token_ids)
+    completion_ids = torch.full((len(token_ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros_like(completion_ids)
+    for k, t in enumerate(token_ids):
+        completion_ids[k, :len(t)] = torch.tensor(t, dtype=torch.long)
+        completion_mask[k, :len(t)] = 1
+    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    sampler_logps = None
+    if groups[0]["sampler_logps"] is not None:  # vLLM's log-probs travel with their completions
+        sampler_logps = torch.zeros(completion_ids.shape)
+        for k, lp in enumerate([lp for g in groups for lp in g["sampler_logps"]][local]):
+            sampler_logps[k, :len(lp)] = torch.tensor(lp)
+        sampler_logps = sampler_logps.to(accelerator.device)
+    return dict(prompt_batch=prompt_batch, prompt_index=prompt_index,
+                completion_ids=completion_ids.to(accelerator.device),
+                completion_mask=completion_mask.to(accelerator.device), texts=texts, messages=messages, rows=rows,
+                ids=ids, keys=global_rows[local], token_ids=token_ids, extra={},
+                rewards=torch.cat([g["rewards"] for g in groups]), sampler_logps=sampler_logps)
 
 
 def pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw):

@@ -56,3 +56,20 @@ def refill_sizes(missing, prompts_per_micro, group_size, num_processes):
     if rest:
         sizes.append(next(k for k in range(rest, prompts_per_micro + 1) if k * group_size % num_processes == 0))
     return sizes
+
+
+def dynamic_sampling(generated, sample, needed, prompts_per_micro, G, num_processes, reward_weights, per_objective,
+                     max_rounds):
+    """DAPO's dynamic sampling: split the generated micro-batches into groups and, while fewer than `needed` groups
+    have reward spread, draw refill micro-batches for the missing ones (at most `max_rounds` rounds).
+    `sample(num_prompts, micro)` draws, rolls out and scores one more micro-batch, numbered `micro`.
+    Returns (every group, in order; the number of refill rounds)."""
+    generated, rounds = list(generated), 0
+    while True:
+        groups = split_groups(generated, G, reward_weights, per_objective)
+        missing = needed - sum(g["spread"] for g in groups)
+        if missing <= 0 or rounds == max_rounds:
+            return groups, rounds
+        rounds += 1  # refill with as many new prompts as groups are missing
+        for n in refill_sizes(missing, prompts_per_micro, G, num_processes):
+            generated.append(sample(n, len(generated)))

@@ -27,6 +27,13 @@ def high_entropy_mask(entropy, mask, quantile, gather=None):
     return (entropy.detach() >= threshold) & mask
 
 
+def accumulation_divisor(loss_type, gradient_accumulation_steps):
+    """What a micro-batch's loss is divided by for its share of the optimizer step's loss: 1 under dapo, whose
+    normaliser already counts the tokens of the whole step (its micro-batch losses add up), the number of
+    micro-batches for the other loss types (their micro-batch losses are averaged)."""
+    return 1 if loss_type == "dapo" else gradient_accumulation_steps
+
+
 def k3_kl(logps, ref_logps):
     """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0)."""
     delta = ref_logps - logps
