@@ -36,7 +36,7 @@ def video_features(model, processor, rows, budget, batch_size=32):
         clips = load_clips([videos_of(r) for r in chunk], budget)
         # the clips are already sampled and resized to the budget, as the scripts feed them
         enc = processor.video_processor(videos=[c[0].frames for c in clips], return_tensors="pt",
-                                        do_sample_frames=False, do_resize=False)
+                                        do_sample_frames=False, do_resize=False, cap_pixels_per_frame=False)
         feats = model.model.get_video_features(enc["pixel_values_videos"], enc["video_grid_thw"])
         feats = getattr(feats, "pooler_output", feats)
         feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
