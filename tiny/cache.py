@@ -4,7 +4,8 @@ learn).
 
 Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-video-sft` (the video task's warm start), `tiny-base`
 and `tiny-reasoner` (the OpenVLThinker cycle's base VLM and text reasoner, tiny/cycle.py), `tiny-planner` (the
-Mix-GRPO warm start) and the data sets `synthetic:shapes` and `synthetic:video` (tiny/video_shapes.py) resolve here;
+Mix-GRPO warm start) and the data sets `synthetic:shapes`, `synthetic:video` (tiny/video_shapes.py), `synthetic:edits`
+and `synthetic:reflect` (tiny/edits.py) resolve here;
 anything else is passed through untouched.
 """
 
@@ -23,6 +24,8 @@ TINY_PLANNER_MODEL = "tiny-planner"  # a word-level tiny VLM taught to write sce
 TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-planner
 TINY_DATASET = "synthetic:shapes"
 TINY_VIDEO_DATASET = "synthetic:video"
+TINY_EDITS_DATASET = "synthetic:edits"  # (scene, instruction, edited scene) triples: the edit generator's data
+TINY_REFLECT_DATASET = "synthetic:reflect"  # sharegpt rows (prompt, flawed draft) -> reflection: the reflector's
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
 TINY_VIDEO_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_video_sft.yaml")
@@ -39,6 +42,9 @@ SHAPES_KINDS = ["count", "count_color"]
 SHAPES_SPLITS = {"train": dict(n=4000, seed=0, kinds=SHAPES_KINDS), "test": dict(n=256, seed=1, kinds=SHAPES_KINDS)}
 # The video task's clips (8 frames at 4 fps, 84 x 84); train and held-out rows from different seeds.
 VIDEO_SPLITS = {"train": dict(n=4000, seed=0), "test": dict(n=256, seed=1)}
+# The reflect -> refine data (tiny/edits.py), at the tiny generator's image size; held-out rows from another seed.
+EDIT_SPLITS = {"train": dict(n=4096, seed=0, image_size=32), "test": dict(n=256, seed=1, image_size=32)}
+REFLECT_SPLITS = {"train": dict(n=4096, seed=0, image_size=32), "test": dict(n=256, seed=1, image_size=32)}
 TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, vision_depth=2, image_size=84, seed=0)
 TINY_LLM = dict(hidden_size=128, num_hidden_layers=2, seed=0)
 # The planner's base: the tiny VLM with every merge its tokenizer corpus has (~530 tokens; 1024 is more than there
@@ -113,11 +119,43 @@ def _video_spec():
         "_frames", "_direction", "_count_frames", "_last", "write_clip", "save_video_vqa")])}
 
 
+def _edits_source():
+    from tiny import edits, shapes, t2i
+    from utils import r3_format
+
+    return _source(edits, t2i._t2i_row, t2i.layout_t2i, t2i.relative_position, t2i._box, shapes._place_in_cell,
+                   shapes.draw_shape, shapes.render_objects, r3_format.NO_EDIT, r3_format.REFLECT_PROMPT)
+
+
+def edits_dataset_path():
+    """The edit triples (tiny.edits.make_edit_triples): a save_to_disk DatasetDict with EDIT_SPLITS."""
+    from datasets import DatasetDict
+
+    from tiny.edits import make_edit_triples
+
+    def build(out):
+        DatasetDict({split: make_edit_triples(**spec) for split, spec in EDIT_SPLITS.items()}).save_to_disk(out)
+
+    return cached("edits", {"splits": EDIT_SPLITS, "source": _edits_source()}, build)
+
+
+def reflect_dataset_path():
+    """The reflector's sharegpt rows (tiny.edits.reflector_rows): a save_to_disk DatasetDict with REFLECT_SPLITS,
+    read by train_sft.py's `--dataset_format sharegpt`."""
+    from datasets import DatasetDict
+
+    from tiny.edits import reflector_rows
+
+    def build(out):
+        DatasetDict({split: sharegpt_dataset(reflector_rows(**spec))
+                     for split, spec in REFLECT_SPLITS.items()}).save_to_disk(out)
+
+    return cached("reflect", {"splits": REFLECT_SPLITS, "source": _edits_source()}, build)
+
+
 def resolve_dataset(name):
     """The folder of a synthetic data set name (built on first use); any other name or path unchanged."""
-    if name == TINY_DATASET:
-        return shapes_dataset_path()
-    return video_dataset_path() if name == TINY_VIDEO_DATASET else name
+    return SYNTHETIC_DATASETS[name]() if name in SYNTHETIC_DATASETS else name
 
 
 def _trained(name, recipe, spec, args=()):
@@ -163,22 +201,28 @@ def tiny_video_sft_path():
 
 
 def _source(*objects):
-    """The source of functions (and the repr of constants): part of a cache key, so a changed row builder
+    """The source of functions and modules (and the repr of constants): part of a cache key, so a changed row builder
     rebuilds what was made with it while other edits to its module do not."""
     import inspect
 
-    return [inspect.getsource(o) if callable(o) else repr(o) for o in objects]
+    return [inspect.getsource(o) if callable(o) or inspect.ismodule(o) else repr(o) for o in objects]
 
 
-def save_sharegpt(rows, out):
-    """sharegpt rows (id, messages, and images when the rows have them) as a save_to_disk folder."""
+def sharegpt_dataset(rows):
+    """sharegpt rows (id, messages, images when the rows have them, and any other text columns) as a Dataset."""
     import datasets
 
     message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-    features = {"id": datasets.Value("string"), "messages": datasets.List(message)}
+    features = {key: datasets.Value("string") for key in rows[0]}
+    features["messages"] = datasets.List(message)
     if "images" in rows[0]:
         features["images"] = datasets.List(datasets.Image())
-    datasets.Dataset.from_list(rows, features=datasets.Features(features)).save_to_disk(out)
+    return datasets.Dataset.from_list(rows, features=datasets.Features(features))
+
+
+def save_sharegpt(rows, out):
+    """`sharegpt_dataset(rows)` as a save_to_disk folder."""
+    sharegpt_dataset(rows).save_to_disk(out)
     return out
 
 
@@ -247,6 +291,8 @@ def tiny_planner_path():
                                                                  "--dataset_name", data])
 
 
+SYNTHETIC_DATASETS = {TINY_DATASET: shapes_dataset_path, TINY_VIDEO_DATASET: video_dataset_path,
+                      TINY_EDITS_DATASET: edits_dataset_path, TINY_REFLECT_DATASET: reflect_dataset_path}
 TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_VIDEO_SFT_MODEL: tiny_video_sft_path,
                TINY_BASE_MODEL: tiny_base_path, TINY_REASONER_MODEL: tiny_reasoner_path,
                TINY_PLANNER_MODEL: tiny_planner_path}
