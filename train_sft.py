@@ -26,7 +26,7 @@ from transformers import get_scheduler
 from kernels import fused_token_logprobs
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
 from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import choice, config_to_dict, parse_config, save_config
+from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.data import load_sharegpt, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
@@ -128,21 +128,22 @@ class SFTConfig:
 
 
 def validate(cfg):
-    """Every flag combination that cannot work fails here, before a model is loaded."""
+    """Every flag combination that cannot work fails here, before a model is loaded (one line naming the flag)."""
     if cfg.push_to_hub and not cfg.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
+        raise ConfigError("--push_to_hub needs --hub_model_id")
     if cfg.freeze_multi_modal_projector and not cfg.freeze_vision_tower:
-        raise ValueError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with it)")
+        raise ConfigError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with "
+                          "it)")
     if cfg.prompt_template is not None and cfg.prompt_template not in PROMPT_TEMPLATES:
-        raise ValueError(f"--prompt_template {cfg.prompt_template!r} is not one of {list(PROMPT_TEMPLATES)}")
+        raise ConfigError(f"--prompt_template {cfg.prompt_template!r} is not one of {list(PROMPT_TEMPLATES)}")
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "save_steps",
                  "logging_steps", "eval_batch_size"):
         if getattr(cfg, flag) < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
+            raise ConfigError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
     if cfg.eval_steps < 0:
-        raise ValueError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
+        raise ConfigError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
-        raise ValueError("set --max_steps or a positive --num_train_epochs")
+        raise ConfigError("set --max_steps or a positive --num_train_epochs")
     check_config_video_flags(cfg)
 
 

@@ -13,7 +13,7 @@ from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from tiny.tokenizer import FAMILIES
 from train_sft import AssistantNLL, SFTConfig, main, validate
-from utils.config import parse_config
+from utils.config import ConfigError, parse_config
 from utils.models import load_model_and_processor
 from utils.prompts import crystal_json_target
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
@@ -199,13 +199,13 @@ def test_loss_equals_transformers_loss_on_the_same_labels(loaded, family):
 
 
 def test_impossible_flag_combinations_fail_before_loading():
-    with pytest.raises(ValueError, match="--hub_model_id"):
+    with pytest.raises(ConfigError, match="--hub_model_id"):
         validate(SFTConfig(push_to_hub=True))
-    with pytest.raises(ValueError, match="--freeze_vision_tower"):
+    with pytest.raises(ConfigError, match="--freeze_vision_tower"):
         validate(SFTConfig(freeze_multi_modal_projector=True))
-    with pytest.raises(ValueError, match="--per_device_train_batch_size"):
+    with pytest.raises(ConfigError, match="--per_device_train_batch_size"):
         validate(SFTConfig(per_device_train_batch_size=0))
-    with pytest.raises(ValueError, match="--prompt_template"):
+    with pytest.raises(ConfigError, match="--prompt_template"):
         validate(SFTConfig(prompt_template="json"))
 
 
