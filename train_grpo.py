@@ -10,29 +10,26 @@ an optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
 """
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
-from transformers import TrainerState, get_scheduler
+from accelerate.utils import gather_object
+from transformers import TrainerState
 
 from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
-from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
+from utils.checkpoint import save_checkpoint
+from utils.config import ConfigError, choice, config_to_dict, parse_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
-from utils.hub import HubUploader
-from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import (
     ENTROPY_THRESHOLD,
@@ -45,7 +42,6 @@ from utils.losses import (
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.packing import resolve_padding_free
 from utils.pcgrad import PCGradAccumulator
-from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.rollout import (
@@ -57,8 +53,8 @@ from utils.rollout import (
     truncated_completions,
     unwrap_for_generation,
 )
+from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import CurriculumSampler
-from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
 from utils.vllm_rollout import (
     IS_MODES,
@@ -328,15 +324,10 @@ def build_rewards(cfg, columns):
 
 
 def main(cfg: GRPOConfig):
-    # cpu=True when there is no GPU (`accelerate launch --cpu` does not pass it on to the workers), but not under
-    # a DeepSpeed config (DS_ACCELERATOR=cpu): utils.launch.accelerator_device_kwargs says why.
-    accelerator = Accelerator(**accelerator_device_kwargs(),
-                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no",
-                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
+    accelerator = make_accelerator(cfg, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                   mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg, accelerator.num_processes, accelerator.distributed_type.name)
-    set_cpu_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
+    seed_run(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     B, G = cfg.per_device_train_batch_size, cfg.num_generations
     GA, mu = cfg.gradient_accumulation_steps, cfg.num_iterations
@@ -368,24 +359,11 @@ def main(cfg: GRPOConfig):
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
     padding_free = resolve_padding_free(cfg.padding_free, model, accelerator.print)
     policy = CompletionLogProbs(model, padding_free=padding_free)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
-    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
-    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     rounds_per_epoch = math.ceil(len(dataset) / (prompts_per_micro * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
-    # Stepped by hand once per optimizer step (not prepared): the schedule then does not depend on the
-    # number of processes, which keeps 1-process and N-process runs identical.
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer,
-                              num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # No DataLoader is prepared, so DeepSpeed learns the micro-batch and clipping from us.
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = B
-        ds_config["gradient_clipping"] = cfg.max_grad_norm
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    policy, optimizer, scheduler = prepare_training(
+        accelerator, cfg, policy, [p for p in policy.parameters() if p.requires_grad], max_steps=max_steps,
+        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=B)
     ref_policy = (prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=padding_free)
                   if cfg.beta != 0.0 else None)
     if ref_policy is not None and cfg.disable_dropout:
@@ -399,12 +377,8 @@ def main(cfg: GRPOConfig):
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 
     # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
-    global_step, round_index, state = 0, 0, {}
-    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
-    if resume_path:
-        state = load_checkpoint(accelerator, resume_path)
-        global_step, round_index = state["global_step"], state["round_index"]
-        accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    state, _ = resume_run(accelerator, cfg)
+    global_step, round_index = state.get("global_step", 0), state.get("round_index", 0)
     stages = {"all": list(range(len(dataset)))}
     if cfg.curriculum:
         levels = state.get("difficulty_levels") or difficulty_levels(cfg, dataset, policy, processor, accelerator,
@@ -414,12 +388,7 @@ def main(cfg: GRPOConfig):
     sampler = CurriculumSampler(stages, seed=cfg.seed, total_steps=max_steps)
     if state:
         sampler.load_state_dict(state["sampler"])
-    if accelerator.is_main_process:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
-                       total_steps=max_steps, start_step=global_step)
-    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+    logger, uploader = start_logging(accelerator, cfg, total_steps=max_steps, start_step=global_step)
 
     # the rollout's inputs that stay fixed for the run; each step adds its round, step, trainer state and logs
     rollout_inputs = dict(policy=policy, processor=processor, dataset=dataset, reward_fns=reward_fns, cfg=cfg,
@@ -572,9 +541,7 @@ def main(cfg: GRPOConfig):
                 break
         round_index += 1
 
-    train_runtime = time.perf_counter() - train_start
-    summary = dict(global_step=global_step, train_runtime=train_runtime, peak_memory_mb=peak_memory_mb(),
-                   **(logger.last_metrics or {}))
+    summary = train_summary(global_step, train_start, logger)
     if eval_set is not None:
         after = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
         logger.log(global_step, {f"heldout_{k}": v for k, v in after.items()})
@@ -585,15 +552,8 @@ def main(cfg: GRPOConfig):
             f"held-out accuracy: before {heldout_before['accuracy']:.3f} -> after {after['accuracy']:.3f} "
             f"({after['samples']} questions)" if heldout_before else
             f"held-out accuracy after GRPO: {after['accuracy']:.3f} ({after['samples']} questions)")
-    logger.close()
-    if accelerator.is_main_process:
-        plot_reward_curve(os.path.join(cfg.output_dir, "metrics.jsonl"),
-                          os.path.join(cfg.output_dir, "reward_curve.png"),
-                          keys=["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs])
-        write_summary(cfg.output_dir, summary)
-        if uploader:
-            uploader.wait()
-    accelerator.end_training()
+    finish_run(accelerator, cfg, logger, uploader, summary,
+               curves=[("reward_curve.png", ["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs], 0.8)])
     return policy
 
 

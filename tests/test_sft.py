@@ -8,6 +8,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_sft
+import utils.run
 from tests.launch_helpers import cli, failing_fixture, finish, launch
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
@@ -251,7 +252,7 @@ def test_training_lowers_the_loss_on_a_repeated_batch_and_reports_heldout_accura
         def wait(self):
             pass
 
-    monkeypatch.setattr(train_sft, "HubUploader", RecordingUploader)
+    monkeypatch.setattr(utils.run, "HubUploader", RecordingUploader)  # the uploader start_logging makes
     data = tmp_path / "four"
     DatasetDict({"train": make_shapes_vqa(4, seed=0), "test": make_shapes_vqa(4, seed=1)}).save_to_disk(str(data))
     out = tmp_path / "run"
