@@ -10,29 +10,26 @@ an optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
 """
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
-from transformers import TrainerState, get_scheduler
+from accelerate.utils import gather_object
+from transformers import TrainerState
 
 from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
-from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
+from utils.checkpoint import save_checkpoint
+from utils.config import ConfigError, choice, config_to_dict, parse_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
-from utils.hub import HubUploader
-from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import (
     ENTROPY_THRESHOLD,
@@ -45,7 +42,6 @@ from utils.losses import (
 from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.packing import resolve_padding_free
 from utils.pcgrad import PCGradAccumulator
-from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.rollout import (
@@ -57,8 +53,8 @@ from utils.rollout import (
     truncated_completions,
     unwrap_for_generation,
 )
+from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import CurriculumSampler
-from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
 from utils.vllm_rollout import (
     IS_MODES,
@@ -207,84 +203,109 @@ class GRPOConfig:
 def validate(cfg, num_processes, distributed_type="NO"):
     """Every flag combination that cannot work fails here, before a model is loaded (one line naming the flag)."""
     B, G = cfg.per_device_train_batch_size, cfg.num_generations
-
-    def need(ok, message):
-        if not ok:
-            raise ConfigError(message)
-
     for flag, value, options in (("--loss_type", cfg.loss_type, LOSS_TYPES),
                                  ("--scale_rewards", cfg.scale_rewards, SCALES),
                                  ("--importance_sampling_level", cfg.importance_sampling_level, IMPORTANCE_LEVELS)):
-        need(value in options, f"{flag} {value!r} is not one of {', '.join(options)}")
-    need(B >= 1, f"--per_device_train_batch_size {B} must be >= 1")
-    need(G >= 2, f"--num_generations {G}: a group of one completion has no spread, so every advantage would be 0 "
-                 "under every --scale_rewards; use 2 or more")
-    need(B * num_processes % G == 0,
-         f"--per_device_train_batch_size {B} x {num_processes} processes = {B * num_processes} completions is not a "
-         f"multiple of --num_generations {G}")
-    need(cfg.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be >= 1")
-    need(cfg.num_iterations >= 1, "--num_iterations must be >= 1")
+        if value not in options:
+            raise ConfigError(f"{flag} {value!r} is not one of {', '.join(options)}")
+    if B < 1:
+        raise ConfigError(f"--per_device_train_batch_size {B} must be >= 1")
+    if G < 2:
+        raise ConfigError(f"--num_generations {G}: a group of one completion has no spread, so every advantage would "
+                          "be 0 under every --scale_rewards; use 2 or more")
+    if B * num_processes % G:
+        raise ConfigError(f"--per_device_train_batch_size {B} x {num_processes} processes = {B * num_processes} "
+                          f"completions is not a multiple of --num_generations {G}")
+    if cfg.gradient_accumulation_steps < 1:
+        raise ConfigError("--gradient_accumulation_steps must be >= 1")
+    if cfg.num_iterations < 1:
+        raise ConfigError("--num_iterations must be >= 1")
     check_config_video_flags(cfg)
-    need(cfg.max_completion_length >= 1, "--max_completion_length must be >= 1")
-    need(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1, "--max_prompt_length must be >= 1 or none")
-    need(cfg.temperature > 0, "--temperature must be > 0 for GRPO sampling")
-    need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p} must be in (0, 1]")
-    need(cfg.top_k is None or cfg.top_k >= 0, f"--top_k {cfg.top_k} must be >= 0 (0 or none: off)")
-    need(cfg.epsilon >= 0 and (cfg.epsilon_high is None or cfg.epsilon_high >= 0),
-         "--epsilon and --epsilon_high must be >= 0")
-    need(cfg.beta >= 0, f"--beta {cfg.beta} must be >= 0")
-    need(cfg.max_grad_norm >= 0, "--max_grad_norm must be >= 0 (0: no clipping)")
-    need(0 <= cfg.warmup_ratio < 1, f"--warmup_ratio {cfg.warmup_ratio} must be in [0, 1)")
-    need(cfg.max_steps > 0 or cfg.num_train_epochs > 0, "--max_steps <= 0 needs --num_train_epochs > 0")
-    need(not cfg.use_peft or (cfg.lora_r >= 1 and 0 <= cfg.lora_dropout < 1),
-         "--use_peft needs --lora_r >= 1 and --lora_dropout in [0, 1)")
-    need(len(cfg.reward_funcs) > 0, "--reward_funcs is empty: give at least one reward")
-    need(len(set(cfg.reward_funcs)) == len(cfg.reward_funcs),
-         f"--reward_funcs {cfg.reward_funcs} names a reward twice (its metrics would collide)")
-    need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_funcs),
-         f"--reward_weights has {len(cfg.reward_weights or [])} values for {len(cfg.reward_funcs)} --reward_funcs")
+    if cfg.max_completion_length < 1:
+        raise ConfigError("--max_completion_length must be >= 1")
+    if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
+        raise ConfigError("--max_prompt_length must be >= 1 or none")
+    # floats are checked as `not ok`, so that nan is refused too
+    if not cfg.temperature > 0:
+        raise ConfigError("--temperature must be > 0 for GRPO sampling")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"--top_p {cfg.top_p} must be in (0, 1]")
+    if cfg.top_k is not None and cfg.top_k < 0:
+        raise ConfigError(f"--top_k {cfg.top_k} must be >= 0 (0 or none: off)")
+    if not (cfg.epsilon >= 0 and (cfg.epsilon_high is None or cfg.epsilon_high >= 0)):
+        raise ConfigError("--epsilon and --epsilon_high must be >= 0")
+    if not cfg.beta >= 0:
+        raise ConfigError(f"--beta {cfg.beta} must be >= 0")
+    if not cfg.max_grad_norm >= 0:
+        raise ConfigError("--max_grad_norm must be >= 0 (0: no clipping)")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"--warmup_ratio {cfg.warmup_ratio} must be in [0, 1)")
+    if not (cfg.max_steps > 0 or cfg.num_train_epochs > 0):
+        raise ConfigError("--max_steps <= 0 needs --num_train_epochs > 0")
+    if cfg.use_peft and not (cfg.lora_r >= 1 and 0 <= cfg.lora_dropout < 1):
+        raise ConfigError("--use_peft needs --lora_r >= 1 and --lora_dropout in [0, 1)")
+    if not cfg.reward_funcs:
+        raise ConfigError("--reward_funcs is empty: give at least one reward")
+    if len(set(cfg.reward_funcs)) != len(cfg.reward_funcs):
+        raise ConfigError(f"--reward_funcs {cfg.reward_funcs} names a reward twice (its metrics would collide)")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        raise ConfigError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} "
+                          "--reward_funcs")
     unknown = sorted(set(cfg.reward_kwargs) - set(cfg.reward_funcs))
-    need(not unknown, f"--reward_kwargs names {unknown}, which are not in --reward_funcs {cfg.reward_funcs}")
-    need(not ("cpr" in cfg.reward_funcs and "accuracy" in cfg.reward_funcs) or cfg.allow_double_accuracy,
-         "--reward_funcs has both accuracy and cpr, and cpr already rewards the answer, so a correct answer would "
-         "count twice; drop accuracy, or pass --allow_double_accuracy to mean it")
-    need(not cfg.use_pcgrad or distributed_type != "DEEPSPEED",
-         "--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP (or one process)")
-    need(cfg.max_resample_rounds >= 0, "--max_resample_rounds must be >= 0")
-    need(0.0 <= cfg.top_entropy_quantile <= 1.0, f"--top_entropy_quantile {cfg.top_entropy_quantile} must be in [0, 1]")
-    need(not cfg.use_pcgrad or (cfg.entropy_coef == 0.0 and cfg.top_entropy_quantile == 1.0),
-         "--use_pcgrad projects one surrogate per reward; --entropy_coef and --top_entropy_quantile < 1 act on the "
-         "summed loss: use them without --use_pcgrad")
+    if unknown:
+        raise ConfigError(f"--reward_kwargs names {unknown}, which are not in --reward_funcs {cfg.reward_funcs}")
+    if "cpr" in cfg.reward_funcs and "accuracy" in cfg.reward_funcs and not cfg.allow_double_accuracy:
+        raise ConfigError("--reward_funcs has both accuracy and cpr, and cpr already rewards the answer, so a correct "
+                          "answer would count twice; drop accuracy, or pass --allow_double_accuracy to mean it")
+    if cfg.use_pcgrad and distributed_type == "DEEPSPEED":
+        raise ConfigError("--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP (or "
+                          "one process)")
+    if cfg.max_resample_rounds < 0:
+        raise ConfigError("--max_resample_rounds must be >= 0")
+    if not 0.0 <= cfg.top_entropy_quantile <= 1.0:
+        raise ConfigError(f"--top_entropy_quantile {cfg.top_entropy_quantile} must be in [0, 1]")
+    if cfg.use_pcgrad and not (cfg.entropy_coef == 0.0 and cfg.top_entropy_quantile == 1.0):
+        raise ConfigError("--use_pcgrad projects one surrogate per reward; --entropy_coef and --top_entropy_quantile "
+                          "< 1 act on the summed loss: use them without --use_pcgrad")
     bad_stages = [s for s in cfg.curriculum if s not in LEVELS]
-    need(not bad_stages, f"--curriculum {bad_stages} are not difficulty levels ({', '.join(LEVELS)})")
-    need(cfg.difficulty_samples >= 0, "--difficulty_samples must be >= 0")
-    need(not (cfg.curriculum and cfg.difficulty_samples) or cfg.difficulty_reward in cfg.reward_funcs,
-         f"--difficulty_reward {cfg.difficulty_reward!r} must be one of --reward_funcs {cfg.reward_funcs}")
-    need(len(cfg.difficulty_thresholds) == 2 and cfg.difficulty_thresholds[0] <= cfg.difficulty_thresholds[1],
-         f"--difficulty_thresholds {cfg.difficulty_thresholds} must be two increasing cuts")
-    need(not cfg.push_to_hub or cfg.hub_model_id, "--push_to_hub needs --hub_model_id")
-    need(cfg.save_steps >= 1 and cfg.logging_steps >= 1, "--save_steps and --logging_steps must be >= 1")
-    need(cfg.num_iterations == 1 or cfg.save_steps % cfg.num_iterations == 0,
-         f"--save_steps {cfg.save_steps} must be a multiple of --num_iterations {cfg.num_iterations} "
-         "(checkpoints are taken between generation rounds)")
-    need(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 0,
-         "--num_completions_to_print must be >= 0 or none")
-    need(cfg.eval_samples is None or cfg.eval_samples >= 1, "--eval_samples must be >= 1 or none")
-    need(cfg.eval_batch_size >= 1, "--eval_batch_size must be >= 1")
-    need(cfg.cpu_threads is None or cfg.cpu_threads >= 1, f"--cpu_threads {cfg.cpu_threads} must be >= 1")
-    need(0 < cfg.vllm_gpu_memory_utilization <= 1,
-         f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization} must be in (0, 1]")
+    if bad_stages:
+        raise ConfigError(f"--curriculum {bad_stages} are not difficulty levels ({', '.join(LEVELS)})")
+    if cfg.difficulty_samples < 0:
+        raise ConfigError("--difficulty_samples must be >= 0")
+    if cfg.curriculum and cfg.difficulty_samples and cfg.difficulty_reward not in cfg.reward_funcs:
+        raise ConfigError(f"--difficulty_reward {cfg.difficulty_reward!r} must be one of --reward_funcs "
+                          f"{cfg.reward_funcs}")
+    if not (len(cfg.difficulty_thresholds) == 2 and cfg.difficulty_thresholds[0] <= cfg.difficulty_thresholds[1]):
+        raise ConfigError(f"--difficulty_thresholds {cfg.difficulty_thresholds} must be two increasing cuts")
+    if cfg.push_to_hub and not cfg.hub_model_id:
+        raise ConfigError("--push_to_hub needs --hub_model_id")
+    if cfg.save_steps < 1 or cfg.logging_steps < 1:
+        raise ConfigError("--save_steps and --logging_steps must be >= 1")
+    if cfg.num_iterations != 1 and cfg.save_steps % cfg.num_iterations:
+        raise ConfigError(f"--save_steps {cfg.save_steps} must be a multiple of --num_iterations {cfg.num_iterations} "
+                          "(checkpoints are taken between generation rounds)")
+    if cfg.num_completions_to_print is not None and cfg.num_completions_to_print < 0:
+        raise ConfigError("--num_completions_to_print must be >= 0 or none")
+    if cfg.eval_samples is not None and cfg.eval_samples < 1:
+        raise ConfigError("--eval_samples must be >= 1 or none")
+    if cfg.eval_batch_size < 1:
+        raise ConfigError("--eval_batch_size must be >= 1")
+    if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
+        raise ConfigError(f"--cpu_threads {cfg.cpu_threads} must be >= 1")
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization} must be in (0, 1]")
     for flag, value in (("--vllm_max_num_seqs", cfg.vllm_max_num_seqs),
                         ("--vllm_max_num_batched_tokens", cfg.vllm_max_num_batched_tokens),
                         ("--vllm_max_model_len", cfg.vllm_max_model_len)):
-        need(value is None or value >= 1, f"{flag} {value} must be >= 1 or none")
-    need(cfg.vllm_importance_sampling_mode in IS_MODES,
-         f"--vllm_importance_sampling_mode {cfg.vllm_importance_sampling_mode!r} is not one of {', '.join(IS_MODES)}")
-    need(cfg.vllm_importance_sampling_cap > 0,
-         f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap} must be > 0")
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1 or none")
+    if cfg.vllm_importance_sampling_mode not in IS_MODES:
+        raise ConfigError(f"--vllm_importance_sampling_mode {cfg.vllm_importance_sampling_mode!r} is not one of "
+                          f"{', '.join(IS_MODES)}")
+    if not cfg.vllm_importance_sampling_cap > 0:
+        raise ConfigError(f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap} must be > 0")
     if cfg.use_vllm:
         require_vllm()
-
 
 def build_rewards(cfg, columns):
     """The reward functions of --reward_funcs, each checked against TRL's call on these data set columns."""
@@ -303,15 +324,10 @@ def build_rewards(cfg, columns):
 
 
 def main(cfg: GRPOConfig):
-    # cpu=True when there is no GPU (`accelerate launch --cpu` does not pass it on to the workers), but not under
-    # a DeepSpeed config (DS_ACCELERATOR=cpu): utils.launch.accelerator_device_kwargs says why.
-    accelerator = Accelerator(**accelerator_device_kwargs(),
-                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no",
-                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
+    accelerator = make_accelerator(cfg, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                   mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg, accelerator.num_processes, accelerator.distributed_type.name)
-    set_cpu_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
+    seed_run(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     B, G = cfg.per_device_train_batch_size, cfg.num_generations
     GA, mu = cfg.gradient_accumulation_steps, cfg.num_iterations
@@ -343,24 +359,11 @@ def main(cfg: GRPOConfig):
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
     padding_free = resolve_padding_free(cfg.padding_free, model, accelerator.print)
     policy = CompletionLogProbs(model, padding_free=padding_free)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
-    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
-    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     rounds_per_epoch = math.ceil(len(dataset) / (prompts_per_micro * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
-    # Stepped by hand once per optimizer step (not prepared): the schedule then does not depend on the
-    # number of processes, which keeps 1-process and N-process runs identical.
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer,
-                              num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # No DataLoader is prepared, so DeepSpeed learns the micro-batch and clipping from us.
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = B
-        ds_config["gradient_clipping"] = cfg.max_grad_norm
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    policy, optimizer, scheduler = prepare_training(
+        accelerator, cfg, policy, [p for p in policy.parameters() if p.requires_grad], max_steps=max_steps,
+        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=B)
     ref_policy = (prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=padding_free)
                   if cfg.beta != 0.0 else None)
     if ref_policy is not None and cfg.disable_dropout:
@@ -374,12 +377,8 @@ def main(cfg: GRPOConfig):
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 
     # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
-    global_step, round_index, state = 0, 0, {}
-    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
-    if resume_path:
-        state = load_checkpoint(accelerator, resume_path)
-        global_step, round_index = state["global_step"], state["round_index"]
-        accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    state, _ = resume_run(accelerator, cfg)
+    global_step, round_index = state.get("global_step", 0), state.get("round_index", 0)
     stages = {"all": list(range(len(dataset)))}
     if cfg.curriculum:
         levels = state.get("difficulty_levels") or difficulty_levels(cfg, dataset, policy, processor, accelerator,
@@ -389,12 +388,7 @@ def main(cfg: GRPOConfig):
     sampler = CurriculumSampler(stages, seed=cfg.seed, total_steps=max_steps)
     if state:
         sampler.load_state_dict(state["sampler"])
-    if accelerator.is_main_process:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
-                       total_steps=max_steps, start_step=global_step)
-    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+    logger, uploader = start_logging(accelerator, cfg, total_steps=max_steps, start_step=global_step)
 
     # the rollout's inputs that stay fixed for the run; each step adds its round, step, trainer state and logs
     rollout_inputs = dict(policy=policy, processor=processor, dataset=dataset, reward_fns=reward_fns, cfg=cfg,
@@ -547,9 +541,7 @@ def main(cfg: GRPOConfig):
                 break
         round_index += 1
 
-    train_runtime = time.perf_counter() - train_start
-    summary = dict(global_step=global_step, train_runtime=train_runtime, peak_memory_mb=peak_memory_mb(),
-                   **(logger.last_metrics or {}))
+    summary = train_summary(global_step, train_start, logger)
     if eval_set is not None:
         after = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
         logger.log(global_step, {f"heldout_{k}": v for k, v in after.items()})
@@ -560,15 +552,8 @@ def main(cfg: GRPOConfig):
             f"held-out accuracy: before {heldout_before['accuracy']:.3f} -> after {after['accuracy']:.3f} "
             f"({after['samples']} questions)" if heldout_before else
             f"held-out accuracy after GRPO: {after['accuracy']:.3f} ({after['samples']} questions)")
-    logger.close()
-    if accelerator.is_main_process:
-        plot_reward_curve(os.path.join(cfg.output_dir, "metrics.jsonl"),
-                          os.path.join(cfg.output_dir, "reward_curve.png"),
-                          keys=["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs])
-        write_summary(cfg.output_dir, summary)
-        if uploader:
-            uploader.wait()
-    accelerator.end_training()
+    finish_run(accelerator, cfg, logger, uploader, summary,
+               curves=[("reward_curve.png", ["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs], 0.8)])
     return policy
 
 

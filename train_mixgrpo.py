@@ -22,19 +22,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, gather_object, set_seed
-from transformers import get_scheduler
+from accelerate.utils import gather_object
 
 from kernels import group_advantages
 from tiny.cache import resolve_tiny_t2i
-from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
+from utils.checkpoint import save_checkpoint
+from utils.config import ConfigError, choice, config_to_dict, parse_config
 from utils.errors import InputError, exit_on_bad_input
 from utils.flow.generators import Guidance, SDEStep, sample
 from utils.flow.sde import image_kl
-from utils.hub import HubUploader
-from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logprobs import prepare_reference_model
 from utils.losses import clipped_policy_loss
 from utils.mixgrpo_eval import evaluate_reason, heldout_lines, heldout_summary
@@ -47,7 +44,6 @@ from utils.mixgrpo_model import (
     image_condition,
 )
 from utils.models import has_adapters
-from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.r3_format import (
     REASON_PROMPT,
     REFLECT_PROMPT,
@@ -66,9 +62,9 @@ from utils.rollout import (
     stop_token_ids,
     unwrap_for_generation,
 )
+from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import SeededSampler
 from utils.t2i_data import load_prompts
-from utils.tracking import RunLogger, peak_memory_mb, tracker_list, write_summary
 from utils.zero3 import clear_stale_zero3_gradients
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -480,14 +476,9 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
 
 def main(cfg: MixGRPOConfig):
     # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
-    # Without a GPU: cpu=True, except under a DeepSpeed config (DS_ACCELERATOR=cpu; utils.launch says why).
-    device_kwargs = accelerator_device_kwargs()
-    handlers = device_kwargs.pop("kwargs_handlers", []) + [DistributedDataParallelKwargs(find_unused_parameters=True)]
-    accelerator = Accelerator(**device_kwargs, mixed_precision="no", log_with=tracker_list(cfg.report_to),
-                              project_dir=cfg.output_dir, kwargs_handlers=handlers)
+    accelerator = make_accelerator(cfg, find_unused_parameters=True)
     validate(cfg, accelerator.num_processes)
-    set_cpu_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
+    seed_run(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     G, P, K = cfg.group_size, cfg.policy_group_size, cfg.prompts_per_policy_group
     scale = "group" if cfg.scale_advantages else "none"  # advantages / the group's std, or not
@@ -528,38 +519,23 @@ def main(cfg: MixGRPOConfig):
         groups.append({"params": [p for p in policy.parameters() if p.requires_grad]})
     if cfg.tune_image_cot:
         groups.append({"params": gen_params + edit_params, "lr": cfg.generator_learning_rate or cfg.learning_rate})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    # bf16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
-    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=cfg.max_steps)
-    if plugin is not None:  # no DataLoader is prepared: DeepSpeed learns the micro-batch and clipping from us
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = K * (G // P)
-        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
-    mix, optimizer = accelerator.prepare(MixGRPOModel(policy, gen, edit_gen), optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    mix, optimizer, scheduler = prepare_training(
+        accelerator, cfg, MixGRPOModel(policy, gen, edit_gen), groups, max_steps=cfg.max_steps,
+        num_warmup_steps=cfg.warmup_steps, micro_batch_size=K * (G // P), betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon)
     # The text's reference: the VLM with its LoRA off (MixGRPOModel's reference), or a frozen copy of it.
     ref_policy = (prepare_reference_model(cfg, vlm_path, policy, accelerator)
                   if cfg.kl_weight_text and cfg.tune_text_cot and not cfg.use_peft else None)
 
     # ---- resume ----
-    global_step, state, buffer = 0, {}, None
-    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
-    if resume_path:
-        state = load_checkpoint(accelerator, resume_path)
-        global_step = state["global_step"]
-        buffer = load_buffer(os.path.join(resume_path, "reflect_buffer"))  # the next step reflects on it
-        accelerator.print(f"resumed from {resume_path} at step {global_step}")
+    state, resume_path = resume_run(accelerator, cfg)
+    global_step = state.get("global_step", 0)
+    # the next step reflects on the checkpointed buffer
+    buffer = load_buffer(os.path.join(resume_path, "reflect_buffer")) if resume_path else None
     sampler = SeededSampler(len(train_rows), seed=cfg.seed)
     if state:
         sampler.load_state_dict(state["sampler"])
-    if accelerator.is_main_process:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
-                       total_steps=cfg.max_steps, start_step=global_step)
-    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+    logger, uploader = start_logging(accelerator, cfg, total_steps=cfg.max_steps, start_step=global_step)
 
     def evaluate(tag):
         with unwrap_for_generation(mix, accelerator) as plain:  # ZeRO-3: every shard gathered once
@@ -678,20 +654,14 @@ def main(cfg: MixGRPOConfig):
                               script="train_mixgrpo.py", parts=list(loras),
                               notes=generator_card(cfg, gen_path, list(loras)))
 
-    summary = dict(global_step=global_step, train_runtime=time.perf_counter() - train_start,
-                   peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
+    summary = train_summary(global_step, train_start, logger)
     if val_rows is not None:
         after = evaluate("after")
         summary.update(heldout_summary(after, heldout_before))
         if heldout_before:
             for line in heldout_lines(heldout_before, after, heldout_images):
                 accelerator.print(line)
-    logger.close()
-    if accelerator.is_main_process:
-        write_summary(cfg.output_dir, summary)
-        if uploader:
-            uploader.wait()
-    accelerator.end_training()
+    finish_run(accelerator, cfg, logger, uploader, summary)
     return dict(policy=policy, gen=gen)
 
 

@@ -12,34 +12,26 @@ OpenVLThinker SFT files). docs/sft.md has the details.
 """
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
-from transformers import get_scheduler
-
 from kernels import fused_token_logprobs
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
-from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.config import choice, config_to_dict, parse_config, save_config
+from utils.checkpoint import save_checkpoint
+from utils.config import ConfigError, choice, config_to_dict, parse_config
 from utils.data import load_sharegpt, load_vqa
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
-from utils.hub import HubUploader
-from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
+from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logprobs import CompletionLogProbs, hf_core
 from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.packing import packed_sequence_hidden, resolve_padding_free
-from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
+from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import SeededSampler
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
-from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.video import budget_from_config, check_config_video_flags, video_flag, videos_of
 from utils.zero3 import clear_stale_zero3_gradients
 
@@ -128,21 +120,22 @@ class SFTConfig:
 
 
 def validate(cfg):
-    """Every flag combination that cannot work fails here, before a model is loaded."""
+    """Every flag combination that cannot work fails here, before a model is loaded (one line naming the flag)."""
     if cfg.push_to_hub and not cfg.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
+        raise ConfigError("--push_to_hub needs --hub_model_id")
     if cfg.freeze_multi_modal_projector and not cfg.freeze_vision_tower:
-        raise ValueError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with it)")
+        raise ConfigError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with "
+                          "it)")
     if cfg.prompt_template is not None and cfg.prompt_template not in PROMPT_TEMPLATES:
-        raise ValueError(f"--prompt_template {cfg.prompt_template!r} is not one of {list(PROMPT_TEMPLATES)}")
+        raise ConfigError(f"--prompt_template {cfg.prompt_template!r} is not one of {list(PROMPT_TEMPLATES)}")
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "save_steps",
                  "logging_steps", "eval_batch_size"):
         if getattr(cfg, flag) < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
+            raise ConfigError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
     if cfg.eval_steps < 0:
-        raise ValueError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
+        raise ConfigError(f"--eval_steps must be >= 0, got {cfg.eval_steps}")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
-        raise ValueError("set --max_steps or a positive --num_train_epochs")
+        raise ConfigError("set --max_steps or a positive --num_train_epochs")
     check_config_video_flags(cfg)
 
 
@@ -184,15 +177,10 @@ def conversation(cfg, row):
 
 
 def main(cfg: SFTConfig):
-    # cpu=True when there is no GPU (`accelerate launch --cpu` does not pass it on to the workers), but not under
-    # a DeepSpeed config (DS_ACCELERATOR=cpu): utils.launch.accelerator_device_kwargs says why.
-    accelerator = Accelerator(**accelerator_device_kwargs(),
-                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision="bf16" if cfg.bf16 else "no",
-                              log_with=tracker_list(cfg.report_to) or None, project_dir=cfg.output_dir)
+    accelerator = make_accelerator(cfg, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                   mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg)
-    set_cpu_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
+    seed_run(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     B, GA = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
 
@@ -213,39 +201,19 @@ def main(cfg: SFTConfig):
     video_budget = budget_from_config(processor, cfg) if "videos" in dataset.column_names else None
     model = prepare_for_training(model, cfg)
     policy = AssistantNLL(model, padding_free=resolve_padding_free(cfg.padding_free, model, accelerator.print))
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
-    # bf16/fp16 weights stepped by plain AdamW at a learning rate under their rounding step never move: refused
-    check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     steps_per_epoch = math.ceil(len(dataset) / (B * world * GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    # Stepped by hand once per optimizer step (not prepared), so the schedule does not depend on the world size.
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer,
-                              num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
-    if accelerator.state.deepspeed_plugin is not None:
-        # No DataLoader is prepared, so DeepSpeed learns the micro-batch and clipping from us.
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = B
-        ds_config["gradient_clipping"] = cfg.max_grad_norm
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    policy, optimizer, scheduler = prepare_training(
+        accelerator, cfg, policy, [p for p in policy.parameters() if p.requires_grad], max_steps=max_steps,
+        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=B)
 
     # ---- resume ----
+    state, _ = resume_run(accelerator, cfg)
+    global_step = state.get("global_step", 0)
     sampler = SeededSampler(len(dataset), seed=cfg.seed)
-    global_step = 0
-    resume_path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
-    if resume_path:
-        state = load_checkpoint(accelerator, resume_path)
-        global_step = state["global_step"]
+    if state:
         sampler.load_state_dict(state["sampler"])
-        accelerator.print(f"resumed from {resume_path} at step {global_step}")
-    if accelerator.is_main_process:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
-                       total_steps=max_steps, start_step=global_step)
-    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+    logger, uploader = start_logging(accelerator, cfg, total_steps=max_steps, start_step=global_step)
 
     def evaluate():
         return evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=eval_template)
@@ -310,26 +278,17 @@ def main(cfg: SFTConfig):
                 uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=model_path,
                               script="train_sft.py")
 
-    train_runtime = time.perf_counter() - train_start
-    summary = dict(global_step=global_step, train_runtime=train_runtime, peak_memory_mb=peak_memory_mb(),
-                   **(logger.last_metrics or {}))
+    summary = train_summary(global_step, train_start, logger)
     if eval_set is not None:
         heldout = evaluate()
         logger.log(global_step, {f"heldout_{k}": v for k, v in heldout.items()})
         summary.update({f"heldout_{k}": v for k, v in heldout.items()})
         accelerator.print(f"held-out accuracy {heldout['accuracy']:.3f} ({heldout['samples']} questions, "
                           f"format {heldout['format']:.3f})")
-    logger.close()
-    if accelerator.is_main_process:
-        metrics_file = os.path.join(cfg.output_dir, "metrics.jsonl")
-        plot_reward_curve(metrics_file, os.path.join(cfg.output_dir, "loss_curve.png"), keys=["loss"])
-        if eval_set is not None:
-            plot_reward_curve(metrics_file, os.path.join(cfg.output_dir, "heldout_curve.png"),
-                              keys=["heldout_accuracy"], smoothing=0.0)
-        write_summary(cfg.output_dir, summary)
-        if uploader:
-            uploader.wait()
-    accelerator.end_training()
+    curves = [("loss_curve.png", ["loss"], 0.8)]
+    if eval_set is not None:
+        curves.append(("heldout_curve.png", ["heldout_accuracy"], 0.0))
+    finish_run(accelerator, cfg, logger, uploader, summary, curves=curves)
     return policy
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from utils.config import ConfigError
 from utils.launch import set_cpu_threads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +43,7 @@ def test_cores_are_shared_between_local_processes(restore_threads, four_cores, m
 def test_requested_threads_win(restore_threads, four_cores, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert set_cpu_threads(3) == 3 and torch.get_num_threads() == 3
-    with pytest.raises(ValueError, match="--cpu_threads 0"):
+    with pytest.raises(ConfigError, match="--cpu_threads 0"):
         set_cpu_threads(0)
 
 

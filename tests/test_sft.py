@@ -8,12 +8,13 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_sft
+import utils.run
 from tests.launch_helpers import cli, failing_fixture, finish, launch
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from tiny.tokenizer import FAMILIES
 from train_sft import AssistantNLL, SFTConfig, main, validate
-from utils.config import parse_config
+from utils.config import ConfigError, parse_config
 from utils.models import load_model_and_processor
 from utils.prompts import crystal_json_target
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
@@ -199,13 +200,13 @@ def test_loss_equals_transformers_loss_on_the_same_labels(loaded, family):
 
 
 def test_impossible_flag_combinations_fail_before_loading():
-    with pytest.raises(ValueError, match="--hub_model_id"):
+    with pytest.raises(ConfigError, match="--hub_model_id"):
         validate(SFTConfig(push_to_hub=True))
-    with pytest.raises(ValueError, match="--freeze_vision_tower"):
+    with pytest.raises(ConfigError, match="--freeze_vision_tower"):
         validate(SFTConfig(freeze_multi_modal_projector=True))
-    with pytest.raises(ValueError, match="--per_device_train_batch_size"):
+    with pytest.raises(ConfigError, match="--per_device_train_batch_size"):
         validate(SFTConfig(per_device_train_batch_size=0))
-    with pytest.raises(ValueError, match="--prompt_template"):
+    with pytest.raises(ConfigError, match="--prompt_template"):
         validate(SFTConfig(prompt_template="json"))
 
 
@@ -251,7 +252,7 @@ def test_training_lowers_the_loss_on_a_repeated_batch_and_reports_heldout_accura
         def wait(self):
             pass
 
-    monkeypatch.setattr(train_sft, "HubUploader", RecordingUploader)
+    monkeypatch.setattr(utils.run, "HubUploader", RecordingUploader)  # the uploader start_logging makes
     data = tmp_path / "four"
     DatasetDict({"train": make_shapes_vqa(4, seed=0), "test": make_shapes_vqa(4, seed=1)}).save_to_disk(str(data))
     out = tmp_path / "run"

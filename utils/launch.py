@@ -116,6 +116,8 @@ def set_cpu_threads(requested=None):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         requested = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if requested < 1:
-        raise ValueError(f"--cpu_threads {requested}: must be at least 1")
+        from utils.config import ConfigError
+
+        raise ConfigError(f"--cpu_threads {requested}: must be at least 1")
     torch.set_num_threads(requested)
     return requested
