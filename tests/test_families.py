@@ -37,8 +37,8 @@ def test_sft_labels_are_exactly_the_assistant_turns(family_models, family):
     images = [image()] if with_image else []
     batch = encode_sft_batch(processor, [messages, messages[:2]], [images, images], sample_ids=["two", "one"])
     tokenizer = getattr(processor, "tokenizer", processor)
-    end_of_turn = {"gemma3": "<end_of_turn>", "smolvlm": "<end_of_utterance>", "glm4v": "<|endoftext|>"}.get(
-        family, "<|im_end|>")
+    end_of_turn = {"gemma3": "<end_of_turn>", "gemma4": "<turn|>", "smolvlm": "<end_of_utterance>",
+                   "glm4v": "<|endoftext|>"}.get(family, "<|im_end|>")
     for row, answers in enumerate([["It is red.", "blue"], ["It is red."]]):
         labels = batch["labels"][row]
         keep = labels != IGNORE_INDEX
