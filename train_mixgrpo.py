@@ -40,6 +40,7 @@ from utils.mixgrpo_model import (
     build_edit_generator,
     build_policy,
     check_generators,
+    check_policy,
     edit_guidance,
     image_condition,
 )
@@ -496,6 +497,7 @@ def main(cfg: MixGRPOConfig):
     heldout_images = f"{len(val_rows or [])} prompts" + (f" x {n_images} images" if n_images > 1 else "")
     reward_fn = build_image_reward(cfg)
     check_generators(cfg, gen_path)  # their pipelines against the flags (model_index.json), before any loads
+    check_policy(cfg, vlm_path, gen_path)  # the policy's family against the generator's conditioning
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
     plugin = accelerator.state.deepspeed_plugin

@@ -4,9 +4,8 @@ where `can_share_prompts` allows, through the shared prompt pass) equal to a pla
 
 import pytest
 import torch
-from PIL import Image
 
-from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES
+from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES, completions, group_batches, image, plain_logprobs, user
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
 from utils.models import image_token_id, load_model_and_processor
 from utils.rollout import encode_prompts, image_tokens_per_image
@@ -18,20 +17,12 @@ pytestmark = pytest.mark.usefixtures("two_torch_threads")
 SHARED = {"qwen2_5_vl", "qwen3_vl", "gemma3", "glm4v", "smolvlm", "llava_onevision", "qwen3"}
 
 
-def _image(colour=(200, 30, 30), size=(84, 60)):
-    return Image.new("RGB", size, colour)
-
-
-def _user(text, with_image):
-    return {"role": "user", "content": ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]}
-
-
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_image_token_is_the_one_the_model_counts(family_models, family):
     model, processor = family_models(family)
     assert image_token_id(processor) == image_token_id(model.config)
-    batch = encode_prompts(processor, [[_user("What colour?", True)]], [[_image()]], sample_ids=["a"])
-    need = image_tokens_per_image(processor, _image())
+    batch = encode_prompts(processor, [[user("What colour?", True)]], [[image()]], sample_ids=["a"])
+    need = image_tokens_per_image(processor, image())
     assert int((batch["input_ids"] == image_token_id(model.config)).sum()) == need > 0
 
 
@@ -39,15 +30,15 @@ def test_image_token_is_the_one_the_model_counts(family_models, family):
 def test_sft_labels_are_exactly_the_assistant_turns(family_models, family):
     model, processor = family_models(family)
     with_image = family not in TEXT_FAMILIES
-    messages = [_user("What colour is the circle?", with_image),
+    messages = [user("What colour is the circle?", with_image),
                 {"role": "assistant", "content": [{"type": "text", "text": "It is red."}]},
-                _user("And the square?", False),
+                user("And the square?", False),
                 {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]
-    images = [_image()] if with_image else []
+    images = [image()] if with_image else []
     batch = encode_sft_batch(processor, [messages, messages[:2]], [images, images], sample_ids=["two", "one"])
     tokenizer = getattr(processor, "tokenizer", processor)
-    end_of_turn = {"gemma3": "<end_of_turn>", "smolvlm": "<end_of_utterance>", "glm4v": "<|endoftext|>"}.get(
-        family, "<|im_end|>")
+    end_of_turn = {"gemma3": "<end_of_turn>", "gemma4": "<turn|>", "smolvlm": "<end_of_utterance>",
+                   "glm4v": "<|endoftext|>"}.get(family, "<|im_end|>")
     for row, answers in enumerate([["It is red.", "blue"], ["It is red."]]):
         labels = batch["labels"][row]
         keep = labels != IGNORE_INDEX
@@ -64,48 +55,15 @@ def test_sft_labels_are_exactly_the_assistant_turns(family_models, family):
         assert [tokenizer.decode(r).strip() for r in runs] == [a + end_of_turn for a in answers], family
 
 
-def _completions(tokenizer, n):
-    """n completions of different lengths (padding after the first stop token is masked out)."""
-    words = ["red", "blue", "two", "circle", "yes", "green"]
-    ids = [tokenizer.encode(" ".join(words[: 2 + i % 3]), add_special_tokens=False) for i in range(n)]
-    width = max(map(len, ids))
-    completion = torch.full((n, width), tokenizer.pad_token_id)
-    mask = torch.zeros(n, width, dtype=torch.long)
-    for i, row in enumerate(ids):
-        completion[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = 1
-    return completion, mask
-
-
-def _plain_logprobs(model, prompts, completion, mask):
-    """Log-probs of the completions from one ordinary forward of the model over prompt + completion."""
-    inputs = {}
-    for key, value in prompts.items():
-        if torch.is_tensor(value) and value.dim() == 2 and value.shape == prompts["input_ids"].shape:
-            extra = completion if key == "input_ids" else mask if key == "attention_mask" else 0 * completion
-            value = torch.cat([value, extra.to(value)], 1)
-        inputs[key] = value
-    with torch.no_grad():
-        logits = model(**inputs, use_cache=False).logits.float()
-    lp = prompts["input_ids"].shape[1]
-    logp = torch.log_softmax(logits[:, lp - 1 : -1], -1).gather(-1, completion[..., None]).squeeze(-1)
-    return logp * mask
-
-
 @pytest.mark.parametrize("family", VLM_FAMILIES + TEXT_FAMILIES)
 def test_completion_logprobs_equal_a_plain_forward(family_models, family):
     model, processor = family_models(family)
     with_image = family not in TEXT_FAMILIES
-    messages = [[_user("What colour is the circle?", with_image)], [_user("How many?", with_image)]]
-    images = [[_image()], [_image((20, 200, 20), (60, 84))]] if with_image else [[], []]
-    prompts = encode_prompts(processor, messages, images, sample_ids=["a", "b"])
-    tokenizer = getattr(processor, "tokenizer", processor)
-    index = [0, 0, 1, 1]
     # the unshared path: each completion's prompt encoded on its own row, as train_grpo does for such families
-    repeated = encode_prompts(processor, [messages[i] for i in index], [images[i] for i in index],
-                              sample_ids=[str(i) for i in index])
-    completion, mask = _completions(tokenizer, 4)
-    expected = _plain_logprobs(model, repeated, completion, mask)
+    prompts, repeated, index = group_batches(processor, family)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    completion, mask = completions(tokenizer, 4)
+    expected = plain_logprobs(model, repeated, completion, mask)
     wrapped = CompletionLogProbs(model)
     with torch.no_grad():
         unshared = wrapped(repeated, completion, mask)
@@ -127,13 +85,7 @@ def test_shared_prefill_generation_samples_what_repeated_prompts_sample(family_m
     from utils.rollout import completion_seeds, generate_completions, stop_token_ids
 
     model, processor = family_models(family)
-    with_image = family not in TEXT_FAMILIES
-    messages = [[_user("What colour is the circle?", with_image)], [_user("How many?", with_image)]]
-    images = [[_image()], [_image((20, 200, 20), (60, 84))]] if with_image else [[], []]
-    index = [0, 0, 1, 1]
-    prompts = encode_prompts(processor, messages, images, sample_ids=["a", "b"])
-    repeated = encode_prompts(processor, [messages[i] for i in index], [images[i] for i in index],
-                              sample_ids=[str(i) for i in index])
+    prompts, repeated, index = group_batches(processor, family)
     tokenizer = getattr(processor, "tokenizer", processor)
     args = dict(row_seeds=completion_seeds(0, 0, range(4)), max_new_tokens=6, temperature=1.0,
                 eos_token_id=stop_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)

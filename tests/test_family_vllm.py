@@ -32,9 +32,12 @@ EXPECTED_MM_KWARGS = {
     "llava_onevision": {},
 }
 VIDEO = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision"}
+# Gemma 4 left out: its processor's soft-token budget (max_soft_tokens) has not been checked against a vLLM Gemma 4
+# module (vLLM is not installed here), so no override is claimed for it.
+CHECKED = [f for f in VLM_FAMILIES if f != "gemma4"]
 
 
-@pytest.mark.parametrize("family", VLM_FAMILIES)
+@pytest.mark.parametrize("family", CHECKED)
 def test_engine_arguments_per_family(family_models, family):
     model, processor = family_models(family)
     mm = mm_processor_kwargs(processor)

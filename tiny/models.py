@@ -1,7 +1,7 @@
 """Tiny models built from configs, so the whole stack runs on a CPU without downloading anything.
 
 - `make_tiny_vlm`: a tiny VLM of one family (tiny.tokenizer.ALL_FAMILIES: Qwen2.5-VL (default), Qwen3-VL, Qwen3.5,
-  Gemma 3, InternVL3 / InternVL3.5, GLM-4.1V, SmolVLM, LLaVA-OneVision) with transformers' own classes and
+  Gemma 3, Gemma 4, InternVL3 / InternVL3.5, GLM-4.1V, SmolVLM, LLaVA-OneVision) with transformers' own classes and
   processors, saved as an ordinary HF folder (`AutoModelForImageTextToText` / `AutoProcessor` load it).
 - `make_tiny_llm`: a tiny text-only Qwen2 or Qwen3 causal LM with the same tokenizer and chat template.
 - `make_tiny_flow_model`: a tiny diffusers flow-matching generator (SD3 transformer, VAE, scheduler).
@@ -275,6 +275,52 @@ def _gemma3(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads
     return Gemma3ForConditionalGeneration(config), processor
 
 
+def _gemma4(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+            vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    """Gemma 4: a vision tower whose patches are pooled pooling_kernel x pooling_kernel (3x3, as released) into soft
+    tokens, each image resized (aspect kept) to a soft-token budget (`max_soft_tokens`: 70, the smallest the
+    processor allows) and wrapped in `<|image>` ... `<image|>`; image tokens attend to each other bidirectionally
+    (`use_bidirectional_attention="vision"`, mm_token_type_ids); sliding and global layers (the last global), per-layer
+    input embeddings. No audio tower (the processor still carries the audio feature extractor it requires).
+    `image_size` is unused: the processor sizes every image to the budget."""
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    head_dim = hidden_size // num_attention_heads
+    text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                        tok.eos_token_id, tok.pad_token_id)
+    text.update(bos_token_id=tok.bos_token_id, head_dim=head_dim, global_head_dim=head_dim, sliding_window=8,
+                layer_types=["sliding_attention"] * (num_hidden_layers - 1) + ["full_attention"],
+                vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=16,
+                use_bidirectional_attention="vision")
+    ids = dict(zip(("boi", "eoi", "image", "video", "boa", "eoa", "audio"), _token_ids(
+        tok, ["<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>"])))
+    budget, pool = 70, 3
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=dict(hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
+                           num_hidden_layers=vision_depth, num_attention_heads=vision_heads,
+                           num_key_value_heads=vision_heads, head_dim=vision_hidden_size // vision_heads,
+                           patch_size=patch_size, pooling_kernel_size=pool,
+                           position_embedding_size=4 * int((budget * pool * pool) ** 0.5)),
+        audio_config=None, boi_token_id=ids["boi"], eoi_token_id=ids["eoi"], image_token_id=ids["image"],
+        video_token_id=ids["video"], boa_token_id=ids["boa"], eoa_token_index=ids["eoa"], audio_token_id=ids["audio"],
+        tie_word_embeddings=True,
+    )
+    settings = dict(patch_size=patch_size, pooling_kernel_size=pool, max_soft_tokens=budget)
+    processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                                image_processor=Gemma4ImageProcessor(**settings), tokenizer=tok,
+                                video_processor=Gemma4VideoProcessor(**settings), image_seq_length=budget,
+                                chat_template=tok.chat_template)
+    return Gemma4ForConditionalGeneration(config), processor
+
+
 def _internvl3_5(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                  vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
     """InternVL3.5: InternVL's tiles and pixel shuffle on a Qwen3 LM (q/k norms), transformers' InternVL class."""
@@ -362,14 +408,15 @@ def _llava_onevision(tok, image_size, hidden_size, num_hidden_layers, num_attent
 
 
 _BUILDERS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5, "gemma3": _gemma3,
-             "internvl": _internvl, "internvl3_5": _internvl3_5, "glm4v": _glm4v, "smolvlm": _smolvlm,
-             "llava_onevision": _llava_onevision}
+             "gemma4": _gemma4, "internvl": _internvl, "internvl3_5": _internvl3_5, "glm4v": _glm4v,
+             "smolvlm": _smolvlm, "llava_onevision": _llava_onevision}
 # Each family at the tiny sizes that still exercise its features (patch and merge sizes of the released models
 # where the tower allows; an image of `image_size` px is one tile / one base view).
 FAMILY_DEFAULTS = {
     "qwen3_vl": dict(image_size=96, patch_size=16),  # 6x6 patches of 16 px -> 9 tokens
     "qwen3_5": dict(image_size=96, patch_size=16),
     "gemma3": dict(image_size=56, patch_size=14),  # 4x4 patches pooled 2x2 -> 4 soft tokens
+    "gemma4": dict(patch_size=16),  # each image resized to <= 70 x 3x3 patches of 16 px, pooled 3x3 -> <= 70 tokens
     "smolvlm": dict(image_size=64, patch_size=16),  # 4x4 patches shuffled 2x -> 4 tokens a tile
     "llava_onevision": dict(image_size=28, patch_size=14),  # 2x2 patches: 4 tokens a view
 }

@@ -1,5 +1,5 @@
 """The tiny world's tokenizer: one byte-level BPE trained on the synthetic questions and answer formats, with
-the special tokens and chat template of each VLM family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, InternVL,
+the special tokens and chat template of each VLM family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Gemma 4, InternVL,
 GLM-4.1V, SmolVLM, LLaVA-OneVision): each family's turn markers, role names and image placeholder, as its released
 template renders them (system prompts defaults and thinking blocks left out).
 
@@ -23,7 +23,7 @@ DEFAULT_BPE_VOCAB = 384  # 256 byte symbols + 128 merges; the family's special t
 
 FAMILIES = ("qwen2_5_vl", "internvl", "glm4v")  # the first three, which the loader and SFT tests run through
 # Every family make_tiny_vlm builds (tests/test_families.py runs each through the log-prob, SFT and vLLM checks).
-ALL_FAMILIES = FAMILIES + ("qwen3_vl", "qwen3_5", "gemma3", "internvl3_5", "smolvlm", "llava_onevision")
+ALL_FAMILIES = FAMILIES + ("qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl3_5", "smolvlm", "llava_onevision")
 
 
 
@@ -188,6 +188,24 @@ def _gemma3_template() -> str:
     )
 
 
+def _gemma4_template() -> str:
+    """Gemma 4 (its documented prompt format; the template itself ships only with the hub checkpoints):
+    `<bos><|turn>system\n...<turn|>\n<|turn>user\n...<turn|>\n<|turn>model\n`, the assistant role `model`, turns
+    closed by `<turn|>`; an image is the `<|image|>` placeholder, which the processor expands to `<|image>`, the
+    image's soft tokens and `<image|>`. Thinking (`<|think|>`, `<|channel>`) is left out, as for the other families."""
+    content = _CONTENT.replace("IMAGE", repr("<|image|>")).replace("VIDEO", repr("<|video|>"))
+    return (
+        "{{- bos_token -}}"
+        "{%- for message in messages -%}"
+        "{{- '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' -}}"
+        "{%- if message['role'] == 'assistant' -%}{%- generation -%}" + content + "{{- '<turn|>' -}}"
+        "{%- endgeneration -%}{{- '\n' -}}"
+        "{%- else -%}" + content + "{{- '<turn|>\n' -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}{%- endif -%}"
+    )
+
+
 def _smolvlm_template() -> str:
     """SmolVLM / Idefics3: `<|im_start|>User:<image>text<end_of_utterance>\nAssistant: text<end_of_utterance>\n`
     (role capitalised, `:` then a space unless the turn opens with an image); generation prompt `Assistant:`."""
@@ -263,6 +281,13 @@ _FAMILY_TOKENS.update({
                  "<end_of_image>", "<image_soft_token>"],
         named={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
         eos="<eos>", pad="<pad>", bos="<bos>", stop=["<end_of_turn>", "<eos>"], template=_gemma3_template,
+    ),
+    "gemma4": dict(
+        special=["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
+                 "<audio|>", "<|audio|>", "<|video|>"],
+        named={"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+               "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"},
+        eos="<turn|>", pad="<pad>", bos="<bos>", stop=["<turn|>", "<eos>"], template=_gemma4_template,
     ),
     "smolvlm": dict(
         special=["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",

@@ -5,6 +5,7 @@ and loss, and its held-out evaluation (utils.mixgrpo_eval), use these."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -106,6 +107,31 @@ def check_generators(cfg, gen_path):
         if refines and name not in IMAGE_CFG_PIPELINES and cfg.cfg_img_scale_edit > 1:
             raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit}: --{flag} {path} (a {name}) has no "
                               "image-free branch to guide against; use --cfg_img_scale_edit 1")
+
+
+def check_policy(cfg, vlm_path, gen_path):
+    """The policy's family against the flags, from the config files, before anything loads. Any VLM family can be
+    the policy: it reasons on a text prompt and reflects on an image its own processor shows it. A text-only LLM
+    cannot reflect on an image. With --conditioning base / policy a Qwen-Image generator reads the policy's hidden
+    states in place of its own text encoder's (with that encoder's prompt template and image tokens), so the policy
+    must be of that encoder's family (Qwen-Image: Qwen2.5-VL)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(vlm_path)
+    model_type = config.model_type
+    if getattr(config, "vision_config", None) is None:
+        raise ConfigError(f"--model_name_or_path {vlm_path}: a text-only {model_type}; Mix-GRPO's policy must be a "
+                          "VLM (its reflect stage shows it the image it drew)")
+    encoder = os.path.join(gen_path, "text_encoder", "config.json")
+    if cfg.conditioning == "generator" or not os.path.isfile(encoder):
+        return
+    with open(encoder) as f:
+        wanted = json.load(f).get("model_type")
+    if model_type != wanted:
+        raise ConfigError(f"--conditioning {cfg.conditioning}: the generator {gen_path} reads the policy's hidden "
+                          f"states in place of its {wanted} text encoder's (its prompt template and image tokens), but "
+                          f"--model_name_or_path {vlm_path} is a {model_type}: use --conditioning generator (the "
+                          f"generator reads the policy's text with its own encoder) or a {wanted} policy")
 
 
 def load_generator(cfg, path, flag, device, *, hidden, **options):
