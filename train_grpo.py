@@ -28,6 +28,7 @@ from utils.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config, save_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
+from utils.encoding import encode_prompts
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
@@ -48,16 +49,9 @@ from utils.pcgrad import PCGradAccumulator
 from utils.precision import check_update_precision, deepspeed_master_weights
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
-from utils.rollout import (
-    completion_seeds,
-    encode_prompts,
-    generate_completions,
-    special_token_ids_to_suppress,
-    stop_token_ids,
-    truncated_completions,
-    unwrap_for_generation,
-)
+from utils.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids, truncated_completions
 from utils.samplers import CurriculumSampler
+from utils.seeds import completion_seeds
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
 from utils.vllm_rollout import (
@@ -68,7 +62,7 @@ from utils.vllm_rollout import (
     mismatch_stats,
     require_vllm,
 )
-from utils.zero3 import clear_stale_zero3_gradients
+from utils.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
 
 SCALES = ("group", "batch", "none")
 

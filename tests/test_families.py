@@ -7,9 +7,9 @@ import torch
 from PIL import Image
 
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES
+from utils.encoding import encode_prompts, image_tokens_per_image
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
 from utils.models import image_token_id, load_model_and_processor
-from utils.rollout import encode_prompts, image_tokens_per_image
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
@@ -124,7 +124,8 @@ def test_completion_logprobs_equal_a_plain_forward(family_models, family):
 def test_shared_prefill_generation_samples_what_repeated_prompts_sample(family_models, family):
     """Generation with a group's prompt prefilled once (its cache index-selected to the completions) samples the
     same tokens as generation from each completion's own copy of the prompt."""
-    from utils.rollout import completion_seeds, generate_completions, stop_token_ids
+    from utils.rollout import generate_completions, stop_token_ids
+    from utils.seeds import completion_seeds
 
     model, processor = family_models(family)
     with_image = family not in TEXT_FAMILIES

@@ -152,8 +152,8 @@ def test_video_token_guard_names_the_sample_and_video(media, qwen):
 
 
 def test_prompts_whose_video_placeholders_do_not_match_their_videos_are_named(media, qwen):
+    from utils.encoding import encode_prompts
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts
     from utils.video import load_clips
 
     _, processor = qwen

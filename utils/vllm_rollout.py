@@ -20,9 +20,11 @@ import socket
 
 import torch
 
+from utils.encoding import encode_prompts
 from utils.logprobs import hf_core
-from utils.rollout import completion_mask, encode_prompts, special_token_ids_to_suppress
+from utils.rollout import completion_mask, special_token_ids_to_suppress
 from utils.video import vllm_video, vllm_video_processor_kwargs
+from utils.zero3 import parameter_gatherer
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 FLAG_DEFAULTS = {
@@ -332,13 +334,6 @@ class VLLMRollout:
         worker = self.llm.llm_engine.model_executor.driver_worker
         return getattr(worker, "worker", worker).model_runner.model
 
-    def _gather(self, policy):
-        if self.accelerator.distributed_type.name == "DEEPSPEED" and policy.zero_optimization_stage() == 3:
-            import deepspeed
-
-            return lambda params: deepspeed.zero.GatheredParameters(params)
-        return None
-
     def sleep(self):
         """Free the engine's GPU memory (weights and KV cache) until the next `generate`; no-op without
         --vllm_enable_sleep_mode."""
@@ -355,7 +350,7 @@ class VLLMRollout:
             self._asleep.discard("weights")
         model = self.accelerator.unwrap_model(policy).model
         engine = self._engine_model()
-        for name, tensor in iter_sync_weights(model, self._gather(policy)):
+        for name, tensor in iter_sync_weights(model, parameter_gatherer(self.accelerator, policy)):
             engine.load_weights([(name, tensor)])
         self.llm.reset_prefix_cache()
 
