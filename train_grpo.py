@@ -33,6 +33,7 @@ from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
 from utils.hub import HubUploader
+from utils.importance import IS_MODES, importance_weights, mismatch_metrics, mismatch_stats
 from utils.launch import accelerator_device_kwargs, relaunch_multi_cpu_if_needed, set_cpu_threads
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import (
@@ -54,14 +55,7 @@ from utils.samplers import CurriculumSampler
 from utils.seeds import completion_seeds
 from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
-from utils.vllm_rollout import (
-    IS_MODES,
-    VLLMRollout,
-    importance_weights,
-    mismatch_metrics,
-    mismatch_stats,
-    require_vllm,
-)
+from utils.vllm_rollout import VLLMRollout, require_vllm
 from utils.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
 
 SCALES = ("group", "batch", "none")
