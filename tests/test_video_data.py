@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.video_helpers import write_frames, write_headers_only, write_video
-from utils.data import DataValidationError, load_rl_rows, load_sharegpt, load_vqa
+from utils.data import load_rl_rows, load_sharegpt, load_vqa
+from utils.errors import DataValidationError
 from utils.video import VideoBudget, videos_of
 
 BUDGET = VideoBudget(fps=2.0, max_frames=4, min_frames=2, min_pixels=28 * 28, max_pixels=56 * 56,
