@@ -1,5 +1,5 @@
 """Held-out evaluation: generate answers for a VQA set (locally, or from an OpenAI-compatible server) and grade
-them. Shared by evaluate.py and the train scripts' before/after checks; the grading itself is `utils.scoring`.
+them. Shared by evaluate.py and the train scripts' before/after checks; the grading itself is `utils.grading`.
 
 Generation is greedy with temperature <= 0; with temperature > 0 each row is sampled with its own
 counter-based seed (utils.seeds), so results never depend on batch size or process count.
@@ -13,9 +13,9 @@ import torch
 
 from utils.data import images_of, render_question
 from utils.encoding import encode_prompts
+from utils.grading import AnswerGrader, group_means, parse_completion, reasoning_states_answer
 from utils.prompts import build_messages
 from utils.rollout import generate_completions, stop_token_ids
-from utils.scoring import AnswerGrader, group_means, parse_completion, reasoning_states_answer
 from utils.seeds import completion_seeds
 from utils.video import budget_for, load_clips, videos_of
 
