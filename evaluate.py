@@ -35,10 +35,7 @@ from utils.config import choice, config_to_dict, parse_config
 from utils.data import load_vqa, render_question
 from utils.errors import exit_on_bad_input
 from utils.evaluation import generate_answers, generate_answers_remote
-from utils.keywords import compare_keywords, keyword_frequencies, load_texts
-from utils.launch import set_cpu_threads
-from utils.prompts import PROMPT_TEMPLATES
-from utils.scoring import (
+from utils.grading import (
     DEFAULT_ALPHA,
     DEFAULT_EMBEDDING_MODEL,
     AnswerGrader,
@@ -48,6 +45,9 @@ from utils.scoring import (
     parse_completion,
     resolve_embedding_model,
 )
+from utils.keywords import compare_keywords, keyword_frequencies, load_texts
+from utils.launch import set_cpu_threads
+from utils.prompts import PROMPT_TEMPLATES
 from utils.video import budget_from_config, check_config_video_flags, video_flag, videos_of
 
 METRICS = ("crystal", "accuracy", "math", "keywords")

@@ -26,9 +26,11 @@ from utils.checkpoint import save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
+from utils.encoding import encode_prompts
 from utils.errors import exit_on_bad_input
 from utils.evaluation import evaluate_policy, load_eval_set
 from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
+from utils.importance import IS_MODES, importance_weights, mismatch_metrics, mismatch_stats
 from utils.launch import relaunch_multi_cpu_if_needed
 from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.losses import (
@@ -44,27 +46,13 @@ from utils.packing import resolve_padding_free
 from utils.pcgrad import PCGradAccumulator
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
-from utils.rollout import (
-    completion_seeds,
-    encode_prompts,
-    generate_completions,
-    special_token_ids_to_suppress,
-    stop_token_ids,
-    truncated_completions,
-    unwrap_for_generation,
-)
+from utils.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids, truncated_completions
 from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import CurriculumSampler
+from utils.seeds import completion_seeds
 from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
-from utils.vllm_rollout import (
-    IS_MODES,
-    VLLMRollout,
-    importance_weights,
-    mismatch_metrics,
-    mismatch_stats,
-    require_vllm,
-)
-from utils.zero3 import clear_stale_zero3_gradients
+from utils.vllm_rollout import VLLMRollout, require_vllm
+from utils.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
 
 SCALES = ("group", "batch", "none")
 

@@ -28,6 +28,7 @@ from kernels import group_advantages
 from tiny.cache import resolve_tiny_t2i
 from utils.checkpoint import save_checkpoint
 from utils.config import ConfigError, choice, config_to_dict, parse_config
+from utils.encoding import encode_prompts
 from utils.errors import InputError, exit_on_bad_input
 from utils.flow.generators import Guidance, SDEStep, sample
 from utils.flow.sde import image_kl
@@ -55,18 +56,12 @@ from utils.r3_format import (
     user_message,
 )
 from utils.reward_calls import build_image_reward, score_images
-from utils.rollout import (
-    completion_seeds,
-    encode_prompts,
-    generate_completions,
-    special_token_ids_to_suppress,
-    stop_token_ids,
-    unwrap_for_generation,
-)
+from utils.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids
 from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import SeededSampler
+from utils.seeds import completion_seeds
 from utils.t2i_data import load_prompts
-from utils.zero3 import clear_stale_zero3_gradients
+from utils.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TINY = "tiny"

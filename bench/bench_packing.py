@@ -83,8 +83,8 @@ def build_inputs(args, processor, device, vocab):
     import torch
 
     from tiny.shapes import make_shapes_vqa
+    from utils.encoding import encode_prompts
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts
 
     rows = [make_shapes_vqa(args.prompts, seed=args.seed, image_size=448)[i] for i in range(args.prompts)]
     messages = [build_messages(r["question"], num_images=1) for r in rows]

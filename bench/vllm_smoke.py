@@ -32,11 +32,14 @@ from accelerate import Accelerator  # noqa: E402
 
 from tiny.models import make_tiny_llm, make_tiny_vlm  # noqa: E402
 from tiny.shapes import make_shapes_vqa  # noqa: E402
+from utils.encoding import encode_prompts  # noqa: E402
+from utils.importance import importance_weights, mismatch_metrics, mismatch_stats  # noqa: E402
 from utils.logprobs import CompletionLogProbs  # noqa: E402
 from utils.models import load_model_and_processor  # noqa: E402
 from utils.prompts import build_messages  # noqa: E402
-from utils.rollout import completion_seeds, encode_prompts, special_token_ids_to_suppress, stop_token_ids  # noqa: E402
-from utils.vllm_rollout import VLLMRollout, importance_weights, mismatch_metrics, mismatch_stats  # noqa: E402
+from utils.rollout import special_token_ids_to_suppress, stop_token_ids  # noqa: E402
+from utils.seeds import completion_seeds  # noqa: E402
+from utils.vllm_rollout import VLLMRollout  # noqa: E402
 
 # |logp_train - logp_vllm| of sampled tokens, mean: bf16 on both sides of a tiny model agree within AGREE_MEAN;
 # an engine left with the old weights must be STALE_FACTOR times further off than the synced one

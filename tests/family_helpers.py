@@ -36,7 +36,7 @@ def user(text, with_image):
 def group_batches(processor, family):
     """Two prompts (with an image each, for a VLM) in a group of 4 completions: (the unique prompts, each
     completion's own copy of its prompt, the completions' prompt index)."""
-    from utils.rollout import encode_prompts
+    from utils.encoding import encode_prompts
 
     with_image = family not in TEXT_FAMILIES
     messages = [[user("What colour is the circle?", with_image)], [user("How many?", with_image)]]

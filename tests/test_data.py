@@ -10,7 +10,9 @@ from PIL import Image
 
 from tiny.shapes import make_shapes_vqa, shapes_vqa_rows
 from tiny.t2i import make_t2i_prompts, write_jsonl
-from utils.data import DataValidationError, load_rl_rows, load_sharegpt, load_table, load_vqa, render_question
+from utils.data import load_rl_rows, load_sharegpt, load_vqa, render_question
+from utils.data_sources import load_table
+from utils.errors import DataValidationError
 from utils.t2i_data import load_geneval, load_tiif
 
 

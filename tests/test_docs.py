@@ -69,7 +69,13 @@ def test_readme_fits_on_two_screens():
         assert len(f.read().splitlines()) <= 220
 
 
-@pytest.mark.parametrize("module", tracked("utils/*.py", "tiny/*.py", "rewards/*.py", "kernels/*.py"))
+# git pathspecs match across folders: "utils/*.py" takes utils/flow/*.py too.
+LIBRARY_MODULES = tracked("utils/*.py", "tiny/*.py", "rewards/*.py", "kernels/*.py")
+# A module over MAX_MODULE_LINES says why in a paragraph of its docstring that starts with these words.
+SAYS_WHY_LONG = re.compile(rf"^Over {MAX_MODULE_LINES} lines on purpose: \S+( \S+){{4,}}", re.M)
+
+
+@pytest.mark.parametrize("module", LIBRARY_MODULES)
 def test_every_module_names_its_job(module):
     with open(os.path.join(REPO, module), encoding="utf-8") as f:
         source = f.read()
@@ -78,4 +84,13 @@ def test_every_module_names_its_job(module):
     doc = ast.get_docstring(ast.parse(source))
     assert doc, f"{module} has no opening docstring"
     if len(source.splitlines()) > MAX_MODULE_LINES:
-        assert "on purpose" in doc, f"{module} is over {MAX_MODULE_LINES} lines without saying why in its docstring"
+        assert SAYS_WHY_LONG.search(doc), (
+            f"{module} is {len(source.splitlines())} lines, over {MAX_MODULE_LINES}: split it by noun, or start a "
+            f"paragraph of its docstring with 'Over {MAX_MODULE_LINES} lines on purpose: <why>'")
+
+
+def test_the_length_rule_reads_a_reason_and_covers_subpackages():
+    assert SAYS_WHY_LONG.search("Kernels.\n\nOver 400 lines on purpose: the Triton kernels sit beside the torch path.")
+    assert not SAYS_WHY_LONG.search("Kernels.\n\nOver 400 lines on purpose:")  # no reason given
+    assert not SAYS_WHY_LONG.search("Kernels, long on purpose: the Triton kernels sit beside the torch path.")
+    assert "utils/flow/adapters.py" in LIBRARY_MODULES

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES, completions, group_batches, image, plain_logprobs, user
+from utils.encoding import encode_prompts, image_tokens_per_image
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
 from utils.models import image_token_id, load_model_and_processor
-from utils.rollout import encode_prompts, image_tokens_per_image
 from utils.sft_data import IGNORE_INDEX, encode_sft_batch
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
@@ -82,7 +82,8 @@ def test_completion_logprobs_equal_a_plain_forward(family_models, family):
 def test_shared_prefill_generation_samples_what_repeated_prompts_sample(family_models, family):
     """Generation with a group's prompt prefilled once (its cache index-selected to the completions) samples the
     same tokens as generation from each completion's own copy of the prompt."""
-    from utils.rollout import completion_seeds, generate_completions, stop_token_ids
+    from utils.rollout import generate_completions, stop_token_ids
+    from utils.seeds import completion_seeds
 
     model, processor = family_models(family)
     prompts, repeated, index = group_batches(processor, family)

@@ -7,8 +7,8 @@ import torch
 from PIL import Image
 
 from tests.family_helpers import VLM_FAMILIES
+from utils.encoding import encode_prompts
 from utils.models import image_token_id
-from utils.rollout import encode_prompts
 from utils.vllm_rollout import engine_kwargs, mm_processor_kwargs, prompt_token_ids, vllm_prompts
 
 

@@ -65,7 +65,9 @@ def test_family_under_zero3_matches_the_unsharded_model(zero3_group, family_mode
     import deepspeed
 
     from utils.models import load_model_and_processor
-    from utils.rollout import completion_seeds, generate_completions, stop_token_ids, zero3_gathered
+    from utils.rollout import generate_completions, stop_token_ids
+    from utils.seeds import completion_seeds
+    from utils.zero3 import zero3_gathered
 
     base, processor = family_models(family)
     path = base.name_or_path  # the family's folder, as the session built it

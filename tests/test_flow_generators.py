@@ -384,10 +384,7 @@ def test_load_by_folder_and_bf16(dirs):
 
 def test_generator_without_text_encoders_from_embeds(tmp_path):
     """The project's tiny flow model (SD3 classes, no text encoders) conditioned on embeddings from elsewhere."""
-    try:
-        from tiny.models import make_tiny_flow_model
-    except ImportError:  # pragma: no cover
-        from utils.models import make_tiny_flow_model
+    from tiny.models import make_tiny_flow_model
     gen = load_flow_generator(make_tiny_flow_model(tmp_path / "flow"))
     assert type(gen) is SD3Generator and gen.pipe.text_encoder is None
     embeds, pooled = torch.randn(2, 7, 128), torch.randn(2, 128)

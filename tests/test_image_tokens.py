@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
+from utils.encoding import check_features_match_tokens, check_image_tokens, encode_prompts, image_tokens_per_image
 from utils.errors import ImageTokenError
-from utils.rollout import check_features_match_tokens, check_image_tokens, encode_prompts, image_tokens_per_image
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

@@ -341,10 +341,10 @@ def test_activation_checkpointing_follows_the_installed_transformers_without_war
     import warnings
     from types import SimpleNamespace
 
+    from utils.encoding import encode_prompts
     from utils.logprobs import CompletionLogProbs, hf_core
     from utils.models import activation_checkpointing_on, prepare_for_training
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts
 
     model, processor = load_model_and_processor(tiny["qwen2_5_vl"])
     assert not activation_checkpointing_on(model)

@@ -8,11 +8,11 @@ import torch
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from utils.config import ConfigError
+from utils.encoding import encode_prompts
 from utils.logprobs import CompletionLogProbs, expand_prompts
 from utils.models import load_model_and_processor
 from utils.packing import packed_completion_hidden, packing_unsupported_reason, resolve_padding_free
 from utils.prompts import build_messages
-from utils.rollout import encode_prompts
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

@@ -6,10 +6,12 @@ import torch
 
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
+from utils.encoding import encode_prompts
 from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
 from utils.models import load_model_and_processor
 from utils.prompts import build_messages
-from utils.rollout import completion_seeds, encode_prompts, generate_completions
+from utils.rollout import generate_completions
+from utils.seeds import completion_seeds
 
 
 @pytest.fixture(scope="module", params=["qwen", "text"])

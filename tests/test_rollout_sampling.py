@@ -2,7 +2,8 @@
 
 import torch
 
-from utils.rollout import GumbelSampler, completion_mask, completion_seeds, counter_uniform
+from utils.rollout import completion_mask
+from utils.seeds import GumbelSampler, completion_seeds, counter_uniform
 
 
 def test_counter_uniform_is_deterministic_and_uniform():

@@ -27,7 +27,8 @@ from tiny.edits import (
     scene_key,
 )
 from tiny.shapes import DEFAULT_COLORS, SHAPES, render_objects
-from utils.data import load_sharegpt, load_table
+from utils.data import load_sharegpt
+from utils.data_sources import load_table
 from utils.r3_format import NO_EDIT, REFLECT_PROMPT, reflection_of
 
 SIZE = 32

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.video_helpers import write_frames, write_headers_only, write_video
-from utils.data import DataValidationError, load_rl_rows, load_sharegpt, load_vqa
+from utils.data import load_rl_rows, load_sharegpt, load_vqa
+from utils.errors import DataValidationError
 from utils.video import VideoBudget, videos_of
 
 BUDGET = VideoBudget(fps=2.0, max_frames=4, min_frames=2, min_pixels=28 * 28, max_pixels=56 * 56,
@@ -152,8 +153,8 @@ def test_video_token_guard_names_the_sample_and_video(media, qwen):
 
 
 def test_prompts_whose_video_placeholders_do_not_match_their_videos_are_named(media, qwen):
+    from utils.encoding import encode_prompts
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts
     from utils.video import load_clips
 
     _, processor = qwen

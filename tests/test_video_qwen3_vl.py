@@ -141,9 +141,10 @@ def test_a_groups_completions_share_one_video_prompt_pass_and_prefill(media, fam
     """Qwen3-VL video prompts take the shared prompt pass: log-probs (padded and packed) equal a plain forward of
     the expanded prompts, and a shared-prefill rollout samples what the unshared one does."""
     from tests.test_video_train import _completions, _plain_forward_logprobs
+    from utils.encoding import encode_prompts
     from utils.logprobs import CompletionLogProbs, can_share_prompts
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts, generate_completions
+    from utils.rollout import generate_completions
     from utils.video import load_clips
 
     model, processor = family_models("qwen3_vl")

@@ -66,8 +66,8 @@ def test_train_sft_on_video_rows_lowers_the_loss(media, qwen, tmp_path):
 def _prompts(processor, media, *, shared):
     """Two prompts with one video each (different timing: 1.6 and 1 sampled frames/s);
     completions: G = 2 per prompt."""
+    from utils.encoding import encode_prompts
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts
     from utils.video import load_clips
 
     clips = load_clips([[str(media / "clip.mp4")], [str(media / "slow.mp4")]], BUDGET)
@@ -129,7 +129,8 @@ def test_video_log_probs_shared_unshared_and_packed_equal_a_plain_forward_with_v
 
 @torch.no_grad()
 def test_video_rollout_with_a_shared_prefill_samples_what_the_unshared_one_does(media, qwen):
-    from utils.rollout import completion_seeds, generate_completions
+    from utils.rollout import generate_completions
+    from utils.seeds import completion_seeds
 
     _, model, processor = qwen
     expanded, _ = _prompts(processor, media, shared=False)
@@ -174,10 +175,10 @@ def test_train_grpo_on_video_rows_with_a_reference_model_and_video_evaluation(me
 def test_qwen3_vl_video_timestamps_log_probs_and_the_cut_video_guard(media, family_models):
     """Qwen3-VL writes a timestamp before each temporal step of a video (from the clip's frame indices and sampled
     rate): its prompts encode, their log-probs (padded and packed) equal a plain forward, and a cut video is named."""
+    from utils.encoding import encode_prompts
     from utils.errors import InputError
     from utils.logprobs import CompletionLogProbs
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts
     from utils.video import budget_for, check_video_tokens, load_clips
 
     model, processor = family_models("qwen3_vl")

@@ -18,18 +18,17 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from tests.vllm_helpers import DIST_KEYS, FakeVLLM, request_output
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
+from utils.encoding import encode_prompts
+from utils.importance import importance_weights, mismatch_metrics, mismatch_stats
 from utils.logprobs import CompletionLogProbs
 from utils.models import load_model_and_processor
 from utils.prompts import build_messages
-from utils.rollout import completion_mask, encode_prompts, special_token_ids_to_suppress, stop_token_ids
+from utils.rollout import completion_mask, special_token_ids_to_suppress, stop_token_ids
 from utils.vllm_rollout import (
     FLAG_DEFAULTS,
     VLLMRollout,
     engine_kwargs,
-    importance_weights,
     iter_sync_weights,
-    mismatch_metrics,
-    mismatch_stats,
     mm_processor_kwargs,
     prompt_token_ids,
     sampling_kwargs,

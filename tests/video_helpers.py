@@ -72,9 +72,10 @@ def fake_vllm_video_rollout(model, processor, media, cfg, budget, *, name="/tiny
     from accelerate import Accelerator
 
     from tests.vllm_helpers import FakeVLLM
+    from utils.encoding import encode_prompts
     from utils.logprobs import CompletionLogProbs
     from utils.prompts import build_messages
-    from utils.rollout import encode_prompts, stop_token_ids
+    from utils.rollout import stop_token_ids
     from utils.video import load_clips
     from utils.vllm_rollout import VLLMRollout, prompt_token_ids
 

@@ -13,10 +13,13 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from tiny.shapes import make_shapes_vqa
+from utils.encoding import encode_prompts
 from utils.logprobs import CompletionLogProbs
 from utils.models import load_model_and_processor  # noqa: E402
 from utils.prompts import build_messages  # noqa: E402
-from utils.rollout import completion_seeds, encode_prompts, generate_completions, zero3_gathered
+from utils.rollout import generate_completions
+from utils.seeds import completion_seeds
+from utils.zero3 import zero3_gathered
 
 model_dir, out_path = sys.argv[1], sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")

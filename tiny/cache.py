@@ -229,7 +229,7 @@ def save_sharegpt(rows, out):
 def _sharegpt_folder(name, spec, make_rows):
     """A save_to_disk folder of sharegpt rows made from the shapes training split, cached by `spec`."""
     def build(out):
-        from utils.data import load_table
+        from utils.data_sources import load_table
 
         train = load_table(shapes_dataset_path(), split="train")
         save_sharegpt(make_rows([train[i] for i in range(len(train))]), out)

@@ -22,8 +22,9 @@ def load_planner(name):
 @torch.no_grad()
 def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
     """The reasoning a planner VLM writes greedily for each row under train_mixgrpo's reason prompt."""
+    from utils.encoding import encode_prompts
     from utils.r3_format import REASON_PROMPT, reasoning_of, user_message
-    from utils.rollout import encode_prompts, generate_completions, stop_token_ids
+    from utils.rollout import generate_completions, stop_token_ids
 
     tok = processor.tokenizer
     stops, plans = stop_token_ids(model, tok), []

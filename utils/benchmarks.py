@@ -60,7 +60,7 @@ def _records(path, split):
     if os.path.isfile(path) and path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()], os.path.dirname(os.path.abspath(path))
-    from utils.data import load_table
+    from utils.data_sources import load_table
 
     table = load_table(path, split=split)
     base = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))

@@ -97,10 +97,10 @@ def sft_target(reasoning: str, answer: str) -> str:
 
 class Grader:
     """Is a predicted answer right? math-verify (with OpenVLThinker's normalisation, rewards.text.answers_match),
-    then CRYSTAL's answer rules (numeric tolerance, yes/no, options: utils.scoring.AnswerGrader)."""
+    then CRYSTAL's answer rules (numeric tolerance, yes/no, options: utils.grading.AnswerGrader)."""
 
     def __init__(self):
-        from utils.scoring import AnswerGrader
+        from utils.grading import AnswerGrader
 
         self.crystal = AnswerGrader()
 

@@ -26,6 +26,10 @@ def exit_on_bad_input(prog: str):
         raise ConfigError(f"{prog}: error: {exc}") from None
 
 
+class DataValidationError(InputError):
+    """Bad input data; the message names the file, the row and the column at fault."""
+
+
 class ImageTokenError(InputError):
     """A prompt whose image tokens do not match its images: cut (a length limit fell inside an image) or repeated
     without its pixels. Raised before any forward, never dropped silently."""

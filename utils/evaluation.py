@@ -1,8 +1,8 @@
 """Held-out evaluation: generate answers for a VQA set (locally, or from an OpenAI-compatible server) and grade
-them. Shared by evaluate.py and the train scripts' before/after checks; the grading itself is `utils.scoring`.
+them. Shared by evaluate.py and the train scripts' before/after checks; the grading itself is `utils.grading`.
 
 Generation is greedy with temperature <= 0; with temperature > 0 each row is sampled with its own
-counter-based seed (utils.rollout), so results never depend on batch size or process count.
+counter-based seed (utils.seeds), so results never depend on batch size or process count.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from utils.data import images_of, render_question
+from utils.encoding import encode_prompts
+from utils.grading import AnswerGrader, group_means, parse_completion, reasoning_states_answer
 from utils.prompts import build_messages
-from utils.rollout import completion_seeds, encode_prompts, generate_completions, stop_token_ids
-from utils.scoring import AnswerGrader, group_means, parse_completion, reasoning_states_answer
+from utils.rollout import generate_completions, stop_token_ids
+from utils.seeds import completion_seeds
 from utils.video import budget_for, load_clips, videos_of
 
 
@@ -32,7 +34,7 @@ def generate_answers(model, processor, rows, *, prompt_template, system_prompt=N
     sampled under `video_budget` (utils.video; none: the model's video processor defaults), as in training.
 
     With an `accelerator`, each process generates rows rank::world and the texts are gathered, so every
-    process returns all of them (the model must be the plain HF model, see utils.rollout.unwrap_for_generation).
+    process returns all of them (the model must be the plain HF model, see utils.zero3.unwrap_for_generation).
     """
     from accelerate.utils import gather_object
 
@@ -147,8 +149,8 @@ def load_eval_set(cfg, accelerator):
 
 def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template):
     """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes."""
-    from utils.rollout import unwrap_for_generation
     from utils.video import budget_from_config
+    from utils.zero3 import unwrap_for_generation
 
     budget = budget_from_config(processor, cfg) if "videos" in eval_set.column_names else None
     with unwrap_for_generation(policy, accelerator) as unwrapped:

@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from kernels import fused_token_logprobs
+from utils.encoding import check_features_match_tokens
 from utils.models import activation_checkpointing_on, adapters_disabled
-from utils.rollout import cache_kwargs, check_features_match_tokens
+from utils.rollout import cache_kwargs
 
 
 def hf_core(model):

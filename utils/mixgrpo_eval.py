@@ -10,11 +10,12 @@ import os
 import torch
 from accelerate.utils import gather_object
 
+from utils.encoding import encode_prompts
 from utils.flow.generators import Guidance, sample
 from utils.mixgrpo_model import edit_guidance, image_condition
 from utils.r3_format import REASON_PROMPT, REFLECT_PROMPT, reasoning_of, reflection_of, user_message
 from utils.reward_calls import score_images
-from utils.rollout import encode_prompts, generate_completions
+from utils.rollout import generate_completions
 
 
 def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processor, accelerator, stop_ids,

@@ -24,8 +24,8 @@ import re
 import torch
 
 from utils.data import IMAGE_MARKER, images_of
+from utils.encoding import check_image_tokens, raise_for_sample
 from utils.prompts import RESPONSE_TEMPLATES, build_messages
-from utils.rollout import check_image_tokens, raise_for_sample
 from utils.video import VIDEO_MARKER, check_video_tokens, load_clips, processor_video_kwargs, videos_of
 
 IGNORE_INDEX = -100

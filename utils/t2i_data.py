@@ -8,7 +8,9 @@ import os
 
 import datasets
 
-from utils.data import DataValidationError, _open, _Source, _text
+from utils.data_checks import text_cell
+from utils.data_sources import Source, open_source
+from utils.errors import DataValidationError
 
 GENEVAL_POSITIONS = ("left of", "right of", "above", "below")
 
@@ -17,12 +19,12 @@ GENEVAL_POSITIONS = ("left of", "right of", "above", "below")
 # which the GenEval reward server would then read. Plain dicts go to the server unchanged.
 
 
-def _json_rows(name_or_path, split: str) -> tuple[list[dict], _Source]:
+def _json_rows(name_or_path, split: str) -> tuple[list[dict], Source]:
     path = os.path.expanduser(os.fspath(name_or_path)) if not isinstance(name_or_path, datasets.Dataset) else None
     if path and os.path.isfile(path) and os.path.splitext(path)[1].lower() in (".json", ".jsonl"):
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        source = _Source(path, os.path.dirname(os.path.abspath(path)))
+        source = Source(path, os.path.dirname(os.path.abspath(path)))
         if text.lstrip().startswith("["):
             try:
                 rows = json.loads(text)
@@ -45,7 +47,7 @@ def _json_rows(name_or_path, split: str) -> tuple[list[dict], _Source]:
             if not isinstance(value, dict):
                 raise DataValidationError(f"{source.where(row)}: expected a JSON object, got {value!r}")
         return rows, source
-    table, source = _open(name_or_path, split)
+    table, source = open_source(name_or_path, split)
     return [_drop_nones(row) for row in table.to_list()], source
 
 
@@ -83,7 +85,7 @@ def load_geneval(path, *, split: str = "train") -> list[dict]:
     rows, source = _json_rows(path, split)
     for row, item in enumerate(rows):
         for column in ("tag", "prompt"):
-            _text(source, row, column, item.get(column))
+            text_cell(source, row, column, item.get(column))
         include = item.get("include")
         if not isinstance(include, list) or not include:
             source.fail(row, "include", f"expected a non-empty list, got {include!r}")
@@ -105,8 +107,8 @@ def load_tiif(path, *, split: str = "train") -> list[dict]:
     as a list of dicts; each row also gets `prompt` = short_description (unless it has one)."""
     rows, source = _json_rows(path, split)
     for row, item in enumerate(rows):
-        _text(source, row, "type", item.get("type"))
-        _text(source, row, "short_description", item.get("short_description"))
+        text_cell(source, row, "type", item.get("type"))
+        text_cell(source, row, "short_description", item.get("short_description"))
         questions, answers = item.get("yn_question_list"), item.get("yn_answer_list")
         if not isinstance(questions, list) or not questions or not all(isinstance(q, str) for q in questions):
             source.fail(row, "yn_question_list", f"expected a non-empty list of strings, got {questions!r}")

@@ -5,7 +5,7 @@ engine sees what training scores: the trainer's own prompt token ids (placeholde
 processor; same pixel budget, echoed ids checked), the same stop and suppressed ids, the same sampling flags,
 one seed per completion (a completion does not depend on how requests were batched). vLLM's log-prob of each
 sampled token (`logprobs_mode="processed_logprobs"`) comes back with it; its gap to the trainer's is logged and
-truncated importance sampling corrects it (`importance_weights`, TRL's `vllm_importance_sampling_*`): token t's
+truncated importance sampling corrects it (`utils.importance`, TRL's `vllm_importance_sampling_*`): token t's
 policy loss is multiplied by min(pi_train(t) / pi_vllm(t), cap).
 
 Weights go to the engine one parameter at a time (only that one gathered under ZeRO-3), LoRA merged one layer at a
@@ -20,11 +20,13 @@ import socket
 
 import torch
 
+from utils.encoding import encode_prompts
+from utils.importance import importance_weights
 from utils.logprobs import hf_core
-from utils.rollout import completion_mask, encode_prompts, special_token_ids_to_suppress
+from utils.rollout import completion_mask, special_token_ids_to_suppress
 from utils.video import vllm_video, vllm_video_processor_kwargs
+from utils.zero3 import parameter_gatherer
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 FLAG_DEFAULTS = {
     "vllm_gpu_memory_utilization": 0.3,  # share of the GPU's memory vLLM may take (weights, activations, KV)
     "vllm_max_num_seqs": None,  # most sequences per engine step; none: vLLM's default
@@ -198,57 +200,6 @@ def unpack_outputs(outputs, sent_ids, *, pad_token_id, stop_ids):
 
 
 # ----------------------------------------------------------------------------------------------
-# Sampler / trainer mismatch
-# ----------------------------------------------------------------------------------------------
-
-
-def importance_weights(trainer_logps, sampler_logps, mask, *, mode="token_truncate", cap=3.0):
-    """Truncated (or masked) importance weights pi_train / pi_vllm that multiply the per-token policy loss.
-
-    token_*: one ratio per token [B, T]; sequence_*: exp of the summed log-ratio of the sequence [B, 1].
-    *_truncate: min(ratio, cap); *_mask: 0 where ratio > cap. Tokens vLLM could not score (NaN) get 1.
-    The same rule as TRL 1.16's `vllm_importance_sampling_correction`.
-    """
-    if mode not in IS_MODES:
-        raise ValueError(f"--vllm_importance_sampling_mode {mode!r} is not one of {IS_MODES}")
-    if not cap > 0:
-        raise ValueError(f"--vllm_importance_sampling_cap must be > 0, got {cap}")
-    diff = torch.nan_to_num((trainer_logps.detach().float() - sampler_logps.float()) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    return ratio.masked_fill(ratio > cap, 0.0)
-
-
-def mismatch_stats(trainer_logps, sampler_logps, mask, weights=None):
-    """Local sums for the logged divergence |logp_train - logp_vllm| over completion tokens vLLM scored,
-    and for the importance weights: reduce `*_sum` / `count` with "sum" and `*_max` with "max"."""
-    diff = (trainer_logps.detach().float() - sampler_logps.float()).abs()
-    valid = mask.bool() & ~diff.isnan()
-    d = diff[valid]
-    stats = {"count": valid.sum().float(), "diff_sum": d.sum(), "diff_max": d.max() if d.numel() else d.new_zeros(())}
-    if weights is not None:
-        w = weights.expand_as(diff)[valid] if weights.shape[-1] == 1 else weights[valid]
-        stats.update(weight_sum=w.sum(), weight_max=w.max() if w.numel() else w.new_zeros(()),
-                     neg_weight_max=(-w).max() if w.numel() else w.new_zeros(()))
-    return stats
-
-
-def mismatch_metrics(stats, reduce):
-    """Logged metrics from `mismatch_stats` after `reduce(tensor, op)` (e.g. accelerator.reduce)."""
-    count = reduce(stats["count"], "sum").clamp(min=1)
-    out = {"vllm/logp_diff_mean": (reduce(stats["diff_sum"], "sum") / count).item(),
-           "vllm/logp_diff_max": reduce(stats["diff_max"], "max").item()}
-    if "weight_sum" in stats:
-        out.update({"vllm/is_weight_mean": (reduce(stats["weight_sum"], "sum") / count).item(),
-                    "vllm/is_weight_max": reduce(stats["weight_max"], "max").item(),
-                    "vllm/is_weight_min": -reduce(stats["neg_weight_max"], "max").item()})
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # Weight sync
 # ----------------------------------------------------------------------------------------------
 
@@ -332,13 +283,6 @@ class VLLMRollout:
         worker = self.llm.llm_engine.model_executor.driver_worker
         return getattr(worker, "worker", worker).model_runner.model
 
-    def _gather(self, policy):
-        if self.accelerator.distributed_type.name == "DEEPSPEED" and policy.zero_optimization_stage() == 3:
-            import deepspeed
-
-            return lambda params: deepspeed.zero.GatheredParameters(params)
-        return None
-
     def sleep(self):
         """Free the engine's GPU memory (weights and KV cache) until the next `generate`; no-op without
         --vllm_enable_sleep_mode."""
@@ -355,7 +299,7 @@ class VLLMRollout:
             self._asleep.discard("weights")
         model = self.accelerator.unwrap_model(policy).model
         engine = self._engine_model()
-        for name, tensor in iter_sync_weights(model, self._gather(policy)):
+        for name, tensor in iter_sync_weights(model, parameter_gatherer(self.accelerator, policy)):
             engine.load_weights([(name, tensor)])
         self.llm.reset_prefix_cache()
 

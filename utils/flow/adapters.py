@@ -441,6 +441,21 @@ class _VaeScaled:
         return self._from_vae(z).float()
 
 
+class _PackedLatents:
+    """FLUX.1 / FLUX.2 Klein latents: 2x2 patches packed into tokens, so the transformer's input channels are four
+    times the latent's; the pipeline's own `prepare_latents` draws the noise."""
+
+    def prepare_latents(self, batch_size, height, width, generator=None):
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(batch_size, channels, height, width, torch.float32, self.device,
+                                         generator)[0]
+
+    def _latent_size(self, height, width):
+        """(h, w) of the unpacked latent for an image of height x width: even, so that 2x2 patches tile it."""
+        vsf = self.pipe.vae_scale_factor
+        return 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+
+
 class SD3Generator(_VaeScaled, FlowGenerator):
     """StableDiffusion3Pipeline (SD3 / SD3.5): CLIP-L + CLIP-G + T5 prompt encoding, standard CFG in one batch.
     Refine = SDEdit from the previous image. `condition_from_embeds` takes embeddings from elsewhere."""
@@ -494,7 +509,7 @@ class SD3Generator(_VaeScaled, FlowGenerator):
         return self._vae_encode(images, height, width)
 
 
-class FluxGenerator(_VaeScaled, FlowGenerator):
+class FluxGenerator(_PackedLatents, _VaeScaled, FlowGenerator):
     """FluxPipeline (FLUX.1): CLIP pooled + T5 sequence; guidance-distilled (Guidance.embedded, default 3.5) with
     optional true CFG when a negative prompt is given. Refine = SDEdit from the previous image."""
 
@@ -511,16 +526,10 @@ class FluxGenerator(_VaeScaled, FlowGenerator):
                                                                     max_sequence_length=max_sequence_length)
                 neg = {"embeds": neg_embeds, "pooled": neg_pooled}
             init = None if images is None else self.encode_image(images, height, width)
-        vsf = self.pipe.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        h, w = self._latent_size(height, width)
         img_ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
         return FlowCondition(pos={"embeds": embeds, "pooled": pooled}, neg=neg, height=height, width=width,
                              init_latents=init, shared={"txt_ids": txt_ids, "img_ids": img_ids})
-
-    def prepare_latents(self, batch_size, height, width, generator=None):
-        channels = self.transformer.config.in_channels // 4
-        return self.pipe.prepare_latents(batch_size, channels, height, width, torch.float32, self.device,
-                                         generator)[0]
 
     def schedule(self, num_steps, latents, shift=None):
         sched = self._scheduler(shift)
@@ -548,7 +557,7 @@ class FluxGenerator(_VaeScaled, FlowGenerator):
         return self.pipe._pack_latents(z, *z.shape)
 
 
-class Flux2KleinGenerator(FlowGenerator):
+class Flux2KleinGenerator(_PackedLatents, FlowGenerator):
     """Flux2KleinPipeline (FLUX.2 Klein): Qwen3 hidden states of chosen layers, CFG with the empty prompt (base
     models; distilled ones run without), refine = the pipeline's reference-image path (tokens joined, time id 10)."""
 
@@ -579,8 +588,7 @@ class Flux2KleinGenerator(FlowGenerator):
             image_latents = image_ids = None
             if images is not None:
                 image_latents, image_ids = self._reference_latents(images)
-        vsf = self.pipe.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        h, w = self._latent_size(height, width)
         latent_ids = self.pipe._prepare_latent_ids(torch.empty(1, 1, h // 2, w // 2)).to(self.device)
         extra = {} if image_ids is None else {"image_ids": image_ids}
         return FlowCondition(pos={"embeds": embeds, "txt_ids": txt_ids}, neg=neg, height=height, width=width,
@@ -601,11 +609,6 @@ class Flux2KleinGenerator(FlowGenerator):
         if len({t.shape for t in latents}) != 1:
             raise ValueError("Klein refine: all reference images of a batch must have one size")
         return torch.cat(latents).float(), torch.cat(ids)
-
-    def prepare_latents(self, batch_size, height, width, generator=None):
-        channels = self.transformer.config.in_channels // 4
-        return self.pipe.prepare_latents(batch_size, channels, height, width, torch.float32, self.device,
-                                         generator)[0]
 
     def schedule(self, num_steps, latents, shift=None):
         sched = self._scheduler(shift)
@@ -630,8 +633,7 @@ class Flux2KleinGenerator(FlowGenerator):
         return mean, std
 
     def decode(self, latents, height, width, output_type="pt"):
-        vsf = self.pipe.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        h, w = self._latent_size(height, width)
         ids = self.pipe._prepare_latent_ids(torch.empty(latents.shape[0], 1, h // 2, w // 2)).to(latents.device)
         lat = self.pipe._unpack_latents_with_ids(latents, ids, h // 2, w // 2)
         mean, std = self._bn(lat.dtype, lat.device)
