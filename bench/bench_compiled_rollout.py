@@ -9,6 +9,8 @@ sharing its prefill (B / 8 prompts), counter-based Gumbel sampling at temperatur
 batch size: the first compiled call (compile time included), then --repeats timed calls of each side, alternating,
 each with fresh seeds; tokens/s counts completion tokens. `same` is the share of completion tokens the compiled
 rollout sampled exactly as the eager one (a compiled kernel that rounds a logit differently can change a draw).
+`compile s` is the first compiled call's time over a warm call's, with a fresh on-disk compile cache (a first
+run's; --warm_compile_cache keeps torch's, as a second run of the same shapes would).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the decode step")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--warm_compile_cache", action="store_true",
+                   help="keep torch's on-disk compile cache (default: a fresh one, so compile s is a first run's)")
     args = p.parse_args(argv)
     if any(b % 8 for b in args.batch_sizes):
         p.error(f"--batch_sizes {args.batch_sizes}: each must be a multiple of 8 (G = 8 completions per prompt)")
@@ -103,6 +107,8 @@ def measure(model, processor, batch_size, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.warm_compile_cache:  # read when inductor first compiles
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-cache-")
     import torch
 
     from tiny.models import make_tiny_vlm

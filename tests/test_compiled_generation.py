@@ -197,3 +197,35 @@ def test_train_grpo_with_a_compiled_rollout_logs_the_eager_runs_metrics(tmp_path
     keys = ("reward", "loss", "completion_length", "grad_norm")
     assert [[m[k] for k in keys] for m in metrics["static"]] == [[m[k] for k in keys] for m in metrics["dynamic"]]
     assert len(metrics["static"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_compiled_rollout_under_lora(tmp_path):
+    """A PeftModel (train_grpo's --use_peft): generate goes through peft, the compiled step through the LoRA
+    layers of the base model; the same tokens as eager, with adapters that change the outputs."""
+    from types import SimpleNamespace
+
+    from tests.family_helpers import build_family
+    from utils.models import adapters_disabled, prepare_for_training
+
+    model, processor = build_family(str(tmp_path / "qwen"), "qwen2_5_vl")
+    lora = SimpleNamespace(gradient_checkpointing=False, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                           lora_target_modules=["all-linear"])
+    model = prepare_for_training(model, lora).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+    rows = make_shapes_vqa(2, seed=5)
+    messages = [build_messages(r["question"], num_images=1) for r in rows]
+    prompts = encode_prompts(processor, messages, [[r["image"]] for r in rows], sample_ids=["a", "b"])
+    tok = processor.tokenizer
+    kwargs = dict(row_seeds=completion_seeds(0, 0, range(4)), max_new_tokens=10, temperature=1.0,
+                  eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                  prompt_index=torch.tensor([0, 0, 1, 1]))
+    eager = generate_completions(model, prompts, **kwargs)
+    compiled = CompiledRollout(backend="aot_eager").generate(model, prompts, **kwargs)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    with adapters_disabled(model):
+        assert not torch.equal(generate_completions(model, prompts, **kwargs)[0], eager[0])
