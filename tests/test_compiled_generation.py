@@ -93,10 +93,12 @@ def test_cache_implementation_is_resolved_and_refused_by_name(setup):
     model = setup[0]
     assert resolve_cache_implementation("auto", model, device="cpu") is False  # CPU: eager unless asked
     assert resolve_cache_implementation("static", model, device="cpu") is True
+    assert resolve_cache_implementation("auto", model, device="cuda") is True  # CUDA: compiled where it can run
     assert resolve_cache_implementation("dynamic", model, device="cuda") is False
     notes = []
+    assert resolve_cache_implementation("auto", model, device="cuda", use_vllm=True, notice=notes.append) is False
     assert resolve_cache_implementation("auto", model, device="cuda", zero3=True, notice=notes.append) is False
-    assert "ZeRO-3" in notes[0] and notes[0].startswith("--cache_implementation auto")
+    assert len(notes) == 1 and "ZeRO-3" in notes[0] and notes[0].startswith("--cache_implementation auto")
     with pytest.raises(ConfigError, match="--cache_implementation static: ZeRO-3 shards"):
         resolve_cache_implementation("static", model, device="cuda", zero3=True)
     with pytest.raises(ConfigError, match="--cache_implementation static: --use_vllm"):

@@ -49,8 +49,8 @@ def resolve_cache_implementation(flag, model, *, device, use_vllm=False, zero3=F
 
     if flag not in CACHE_IMPLEMENTATIONS:
         raise ConfigError(f"--cache_implementation {flag!r} is not one of {', '.join(CACHE_IMPLEMENTATIONS)}")
-    if flag == "dynamic" or (flag == "auto" and torch.device(device).type != "cuda"):
-        return False
+    if flag == "dynamic" or (flag == "auto" and (torch.device(device).type != "cuda" or use_vllm)):
+        return False  # (with vLLM the HF rollout does not run: nothing to say)
     reason = static_cache_unsupported_reason(model, use_vllm=use_vllm, zero3=zero3)
     if reason and flag == "static":
         raise ConfigError(f"--cache_implementation static: {reason}")
