@@ -30,8 +30,8 @@ def static_cache_unsupported_reason(model, *, use_vllm=False, zero3=False):
     if use_vllm:
         return "--use_vllm generates with vLLM, which has its own cache and CUDA graphs"
     if zero3:
-        return ("ZeRO-3 shards the weights, and generation gathers them into new tensors each step, which a compiled "
-                "step would not see; use ZeRO-1/2 or DDP")
+        return ("ZeRO-3 gathers the sharded weights into new tensors for each generation, so the compiled step "
+                "(its CUDA graphs) would be rebuilt at every rollout; use ZeRO-1/2 or DDP")
     text = model.config.get_text_config(decoder=True)
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -43,8 +43,8 @@ def static_cache_unsupported_reason(model, *, use_vllm=False, zero3=False):
 def resolve_cache_implementation(flag, model, *, device, use_vllm=False, zero3=False, notice=print):
     """--cache_implementation: 'static' requires the compiled rollout (an error with the reason where it cannot
     run), 'dynamic' keeps HF generate's eager decoding, 'auto' is static on CUDA where it can run (a one-line notice
-    says why not) and dynamic elsewhere (on a CPU the compile time outweighs the gain: docs/results). Returns True
-    for the compiled rollout."""
+    says why not) and dynamic elsewhere (on a CPU it wins only at small batch, by less than its compile time costs a
+    short run: docs/results). Returns True for the compiled rollout."""
     from utils.config import ConfigError
 
     if flag not in CACHE_IMPLEMENTATIONS:
