@@ -23,6 +23,7 @@ from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 from utils.checkpoint import save_checkpoint
+from utils.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
 from utils.config import ConfigError, choice, config_to_dict, parse_config
 from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.data import images_of, load_vqa
@@ -131,6 +132,9 @@ class GRPOConfig:
         "help": "DAPO: drop groups whose rewards do not vary and refill the step with groups of new prompts"})
     max_resample_rounds: int = 4  # extra generation rounds a step may run to refill it under --dynamic_sampling
     use_vllm: bool = False  # generate rollouts with a colocated vLLM engine (CUDA only)
+    cache_implementation: str = choice(*CACHE_IMPLEMENTATIONS, help=(
+        "HF rollout's KV cache (TRL's flag): dynamic is generate's eager decoding, static also compiles the decode "
+        "step (CUDA graphs on a GPU), auto is static on CUDA where it can run and dynamic elsewhere"))
     use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
     allow_double_accuracy: bool = field(default=False,
                                         metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
@@ -292,6 +296,12 @@ def validate(cfg, num_processes, distributed_type="NO"):
                           f"{', '.join(IS_MODES)}")
     if not cfg.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap} must be > 0")
+    if cfg.cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ConfigError(f"--cache_implementation {cfg.cache_implementation!r} is not one of "
+                          f"{', '.join(CACHE_IMPLEMENTATIONS)}")
+    if cfg.use_vllm and cfg.cache_implementation == "static":
+        raise ConfigError("--cache_implementation static compiles the HF rollout, and --use_vllm generates with vLLM: "
+                          "drop one")
     if cfg.use_vllm:
         require_vllm()
 
@@ -361,6 +371,11 @@ def main(cfg: GRPOConfig):
     video_budget = budget_from_config(processor, cfg) if max_videos else None  # a model without video fails here
     vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config,
                         max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
+    # the HF rollout's static KV cache and compiled decode step, built once and reused (utils/compiled_generation.py)
+    plugin = accelerator.state.deepspeed_plugin
+    compiled = CompiledRollout() if resolve_cache_implementation(
+        cfg.cache_implementation, model, device=accelerator.device, use_vllm=cfg.use_vllm,
+        zero3=plugin is not None and plugin.zero_stage == 3, notice=accelerator.print) else None
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
 
@@ -380,7 +395,8 @@ def main(cfg: GRPOConfig):
 
     # the rollout's inputs that stay fixed for the run; each step adds its round, step, trainer state and logs
     rollout_inputs = dict(policy=policy, processor=processor, dataset=dataset, reward_fns=reward_fns, cfg=cfg,
-                          accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm)
+                          accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm,
+                          compiled=compiled)
     loss_divisor = accumulation_divisor(cfg.loss_type, GA)  # a micro-batch's loss / this = its share of the step
 
     heldout_before = state.get("heldout_before")
@@ -635,7 +651,7 @@ def encode_rows(policy, processor, rows, cfg, accelerator, *, keys, sample_ids):
 
 
 def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seeds, stop_ids, suppress_ids,
-            vllm=None, step=0):
+            vllm=None, step=0, compiled=None):
     """Sample one completion per row (rows with equal `keys` are the same prompt); see `encode_rows`. Where the
     prompts are shared, each is prefilled once in generation too, and its completions continue from its cache.
     `sampler_logps` [B, L] is vLLM's log-prob of each sampled token (None on the HF path)."""
@@ -649,8 +665,9 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
             suppress_ids=suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True,
             videos=row_clips(processor, rows, cfg))
     else:
+        generate = compiled.generate if compiled is not None else generate_completions  # --cache_implementation
         with unwrap_for_generation(policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
-            completion_ids, completion_mask = generate_completions(
+            completion_ids, completion_mask = generate(
                 unwrapped.model, prompt_batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=stop_ids,
                 pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids, prompt_index=prompt_index)
@@ -661,7 +678,7 @@ def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seed
 
 
 def sample_micro_batch(prompt_idx, micro, *, round_index, step, trainer_state, policy, processor, dataset,
-                       reward_fns, cfg, accelerator, stop_ids, suppress_ids, vllm, reward_log, timings):
+                       reward_fns, cfg, accelerator, stop_ids, suppress_ids, vllm, reward_log, timings, compiled=None):
     """Rollout of micro-batch `micro` of round `round_index` (G completions per prompt, spread over the processes)
     and its rewards, gathered so that every process sees whole groups. A refill under --dynamic_sampling may hold
     fewer prompts than a full micro-batch (still a whole number of completions per process). The rewards' logged
@@ -677,7 +694,7 @@ def sample_micro_batch(prompt_idx, micro, *, round_index, step, trainer_state, p
                              range(micro * B * world + rank * b, micro * B * world + (rank + 1) * b))
     t0 = time.perf_counter()
     out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[mine], sample_ids=ids, seeds=seeds,
-                  stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=step)
+                  stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=step, compiled=compiled)
     timings["generation"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]

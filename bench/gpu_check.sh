@@ -121,5 +121,10 @@ fi
 check bench_packing 60 "$PY" bench/bench_packing.py --device cuda --full --hidden_size 512 --num_hidden_layers 8 \
     --prompts 4 --num_generations 8 --workdir "$RESULTS/bench_packing" --json "$RESULTS/bench_packing.json"
 
+# ---- 7. the HF rollout eager vs compiled (--cache_implementation static: static KV cache, CUDA graphs), tokens/s
+#         and compile time, tiny and larger tiny Qwen2.5-VL, B = 8 and 40 (bench/bench_compiled_rollout.py)
+check bench_compiled_rollout 150 "$PY" bench/bench_compiled_rollout.py --device cuda --max_new_tokens 128 \
+    --repeats 3 --workdir "$RESULTS/bench_compiled_rollout" --json "$RESULTS/bench_compiled_rollout.json"
+
 log "done in $((SECONDS - START))s, status $STATUS; results in $RESULTS"
 exit $STATUS
