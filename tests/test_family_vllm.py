@@ -30,14 +30,12 @@ EXPECTED_MM_KWARGS = {
     "gemma3": {"do_pan_and_scan": False},
     "smolvlm": {"size": {"longest_edge": 128}},
     "llava_onevision": {},
+    "gemma4": {"max_soft_tokens": 70},
 }
-VIDEO = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision"}
-# Gemma 4 left out: its processor's soft-token budget (max_soft_tokens) has not been checked against a vLLM Gemma 4
-# module (vLLM is not installed here), so no override is claimed for it.
-CHECKED = [f for f in VLM_FAMILIES if f != "gemma4"]
+VIDEO = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision", "gemma4"}
 
 
-@pytest.mark.parametrize("family", CHECKED)
+@pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_engine_arguments_per_family(family_models, family):
     model, processor = family_models(family)
     mm = mm_processor_kwargs(processor)
@@ -78,3 +76,23 @@ def test_prompt_ids_hold_each_image_expanded_once(family_models, family):
     assert rows[0].count(token) == int((batch["input_ids"][1] == token).sum()) > 0
     prompts = vllm_prompts(rows, [images[1], images[0], images[0]])
     assert prompts[0]["multi_modal_data"]["image"] is images[1][0]
+
+
+def test_gemma4_images_expand_to_the_soft_tokens_vllm_counts(family_models):
+    """vLLM's Gemma 4 processor finds each image's expansion in the prompt ids by its own count of soft tokens:
+    the image scaled (aspect kept) so its 16 px patches fill the budget's pooled patches, each side floored to whole
+    pooling cells, the pooled cells capped at the budget. The trainer's processor must give the same count at the
+    budget it sends (max_soft_tokens)."""
+    import math
+
+    from utils.rollout import image_tokens_per_image
+
+    _, processor = family_models("gemma4")
+    budget = mm_processor_kwargs(processor)["max_soft_tokens"]
+    patch, pool = processor.image_processor.patch_size, processor.image_processor.pooling_kernel_size
+    cell = patch * pool
+    for width, height in [(84, 60), (60, 84), (300, 40), (37, 512), (640, 480)]:
+        scale = math.sqrt(budget * pool * pool / ((height / patch) * (width / patch)))
+        rows, cols = (max(cell, math.floor(side * scale / cell) * cell) // patch for side in (height, width))
+        expected = min(rows * cols // (pool * pool), budget)
+        assert image_tokens_per_image(processor, Image.new("RGB", (width, height))) == expected, (width, height)

@@ -105,7 +105,7 @@ class CompletionLogProbs(nn.Module):
         full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
         extra = {k: v for k, v in prompts.items() if k not in ("input_ids", "attention_mask")}
         prefix_pos = completion_pos = None
-        if "mm_token_type_ids" in prompts:
+        if "mm_token_type_ids" in prompts and hasattr(base, "get_rope_index"):  # Qwen-VL: 3-D rope; Gemma 4: 1-D
             full = expand_prompts(prompts, idx)
             mm = torch.cat([full["mm_token_type_ids"], full["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
             pos, _ = base.get_rope_index(torch.cat([full["input_ids"], completion_ids], 1), mm,
@@ -128,9 +128,12 @@ class CompletionLogProbs(nn.Module):
 # with one image per prompt: Qwen-VL's and GLM's flattened patches split per prompt by image_grid_thw (Qwen3-VL's
 # DeepStack features only touch the prompt's image positions, its interleaved rope is rebuilt on the full
 # sequences); Gemma 3's soft tokens attend to each other only inside the prompt pass (token_type_ids) and its
-# pixel rows are one per image (no pan-and-scan crops: see shared_prompt_pixel_rows); SmolVLM/Idefics3 and
-# LLaVA-OneVision keep one pixel row per prompt. docs/models.md lists the families left out and why.
-SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "gemma3", "idefics3", "llava_onevision")
+# pixel rows are one per image without pan-and-scan crops; Gemma 4's likewise (mm_token_type_ids, on its sliding
+# layers only), its positions are 1-D, its pixel and patch-position rows one per image, and its KV-sharing layers
+# read their producer layer's cache-extended keys; SmolVLM/Idefics3 and LLaVA-OneVision keep one pixel row per
+# prompt. docs/models.md lists the families left out and why.
+SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "gemma3", "gemma4", "idefics3",
+                          "llava_onevision")
 # with one video per prompt (tests/test_video_train.py, tests/test_video_qwen3_vl.py)
 VIDEO_SHARED_PROMPT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 

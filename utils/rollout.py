@@ -60,6 +60,10 @@ def _shared_prefill(model, prompts, prompt_index):
     idx = torch.as_tensor(prompt_index, device=ids.device)
     per_token = {k for k, v in prompts.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == ids.shape}
     inputs = {k: (v[:, :-1] if k in per_token else v) for k, v in prompts.items()}
+    if not any(hasattr(m, "get_rope_index") for m in model.modules()):
+        # generate places the continuation after each row's own tokens (left padding skipped): the prefill must too
+        mask = prompts["attention_mask"][:, :-1].long()
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     model(**inputs, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(idx)

@@ -81,14 +81,15 @@ def is_vision_language(model_config):
 
 # vLLM's processors for these families take videos too: a video limit of 0 spares the memory vLLM would reserve for
 # one (Gemma 3's and Idefics3's vLLM processors take images only and would refuse a "video" key).
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision")
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision", "gemma4")
 _PAN_AND_SCAN = ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate")
 
 
 def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
     """The image budget of the trainer's processor for vLLM's own, so each image expands to the tokens the trainer's
     prompt ids hold: Qwen-VL/GLM `size` (pixel budget), InternVL tile limits, Idefics3/SmolVLM `size` longest_edge
-    (vLLM needs it a multiple of the tile edge), Gemma 3 pan-and-scan. From the processor, else from the flags.
+    (vLLM needs it a multiple of the tile edge), Gemma 3 pan-and-scan, Gemma 4's soft-token budget. From the
+    processor, else from the flags.
     With a `video_budget` (utils.video), the video processor's bounds and no resampling of the given frames."""
     image_processor = getattr(processor, "image_processor", None)
     out = {}
@@ -100,6 +101,8 @@ def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
             out["size"] = {"longest_edge": int(size["longest_edge"])}
         if getattr(image_processor, "crop_to_patches", False) and getattr(image_processor, "max_patches", None):
             out.update(crop_to_patches=True, max_patches=int(image_processor.max_patches))
+        if getattr(image_processor, "max_soft_tokens", None) is not None:  # Gemma 4: vLLM's own default is not ours
+            out["max_soft_tokens"] = int(image_processor.max_soft_tokens)
         if getattr(image_processor, "do_pan_and_scan", None) is not None:
             on = out["do_pan_and_scan"] = bool(image_processor.do_pan_and_scan)
             out.update({name: getattr(image_processor, name) for name in _PAN_AND_SCAN if on})
