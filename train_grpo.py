@@ -47,7 +47,13 @@ from utils.packing import resolve_padding_free
 from utils.pcgrad import PCGradAccumulator
 from utils.prompts import PROMPT_TEMPLATES, build_messages
 from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
-from utils.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids, truncated_completions
+from utils.rollout import (
+    check_no_logits_shaping,
+    generate_completions,
+    special_token_ids_to_suppress,
+    stop_token_ids,
+    truncated_completions,
+)
 from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
 from utils.samplers import CurriculumSampler
 from utils.seeds import completion_seeds
@@ -349,6 +355,7 @@ def main(cfg: GRPOConfig):
                                                 freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     tokenizer = getattr(processor, "tokenizer", processor)
+    check_no_logits_shaping(model)  # before any compute: a sampler the log-probs cannot score
     model = prepare_for_training(model, cfg)
     if cfg.disable_dropout:
         disable_dropout(model)

@@ -110,3 +110,31 @@ def test_shared_prefill_generation_under_lora(setup):
         assert torch.equal(shared[0], plain[0]) and torch.equal(shared[1], plain[1])
     finally:
         lora.unload()
+
+
+def test_the_checkpoints_generation_config_does_not_reshape_the_rollout(setup):
+    """`generate` fills what the rollout leaves unset from generation_config.json: a checkpoint's repetition
+    penalty (Qwen2.5-VL-Instruct ships 1.05) would reshape the sampled distribution, off-policy to the log-probs.
+    The rollout samples the same tokens whatever the checkpoint asks; what it cannot switch off is refused."""
+    from utils.errors import InputError
+
+    model, prompts, prompt_index, ids, mask, _ = setup
+    full = expand_prompts(prompts, prompt_index)
+    eos = model.generation_config.eos_token_id
+    kwargs = dict(row_seeds=completion_seeds(0, 0, range(6)), max_new_tokens=7, temperature=1.0,
+                  eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else [eos], pad_token_id=0)
+    saved = model.generation_config
+    try:
+        model.generation_config = saved.__class__(**saved.to_dict())
+        model.generation_config.repetition_penalty = 50.0
+        model.generation_config.no_repeat_ngram_size = 1
+        model.generation_config.min_new_tokens = 7
+        reshaped_ids, reshaped_mask = generate_completions(model, full, **kwargs)
+        model.generation_config = saved.__class__(**saved.to_dict())
+        plain_ids, plain_mask = generate_completions(model, full, **kwargs)
+        assert torch.equal(reshaped_ids, plain_ids) and torch.equal(reshaped_mask, plain_mask)
+        model.generation_config.bad_words_ids = [[5]]
+        with pytest.raises(InputError, match="generation_config.json sets bad_words_ids"):
+            generate_completions(model, full, **kwargs)
+    finally:
+        model.generation_config = saved

@@ -16,6 +16,7 @@ from utils.flow.adapters import load_flow_generator
 from utils.flow.generators import Guidance, step_logprob
 from utils.logprobs import CompletionLogProbs, hf_core
 from utils.models import adapters_disabled, disable_dropout, load_model_and_processor, prepare_for_training
+from utils.rollout import check_no_logits_shaping
 
 
 def image_condition(cfg, gen, rows, texts, images=None):
@@ -46,6 +47,7 @@ def build_policy(cfg, vlm_path, gen_path, device):
     model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower,
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
+    check_no_logits_shaping(model)  # before any compute: a sampler the log-probs cannot score
     model = prepare_for_training(model, cfg)  # with --freeze_vision_tower, its LoRA too
     if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1
         disable_dropout(model)
