@@ -85,7 +85,7 @@ def test_gemma4_images_expand_to_the_soft_tokens_vllm_counts(family_models):
     budget it sends (max_soft_tokens)."""
     import math
 
-    from utils.rollout import image_tokens_per_image
+    from utils.encoding import image_tokens_per_image
 
     _, processor = family_models("gemma4")
     budget = mm_processor_kwargs(processor)["max_soft_tokens"]

@@ -5,10 +5,12 @@ generation is `utils.zero3`, and the log-probs of the sampled completions are `u
 """
 
 import inspect
+import os
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
+from utils.errors import InputError
 from utils.seeds import GumbelSampler
 
 # Chat templates end an assistant turn with one of these; generation must stop there too.
@@ -32,6 +34,7 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
     transformers would otherwise turn on `synced_gpus` under ZeRO-3, and processes that make different numbers of
     calls (an uneven share of held-out rows) would hang in its per-token all-reduce.
     """
+    check_no_logits_shaping(model)
     cache = None
     if prompt_index is not None:
         batch, cache = _shared_prefill(model, batch, prompt_index)
@@ -41,13 +44,40 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, temperature=None, top_k=None, top_p=None,
-        suppress_tokens=list(suppress_token_ids) or None,
+        suppress_tokens=list(suppress_token_ids) or None, **NEUTRAL_PROCESSORS,
     )
     shared = cache_kwargs(model, cache) if cache is not None else {}
     out = model.generate(**batch, **shared, generation_config=config, logits_processor=LogitsProcessorList([sampler]),
                          synced_gpus=False)
     completion = out[:, prompt_length:]
     return completion, completion_mask(completion, eos_token_id)
+
+
+# `generate` fills every field left at None from the checkpoint's generation_config.json (Qwen2.5-VL-Instruct ships
+# repetition_penalty 1.05): the rollout would then sample from a reshaped distribution that the training log-probs
+# never score. These values switch each such processor off explicitly.
+NEUTRAL_PROCESSORS = dict(
+    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
+    min_length=0, min_new_tokens=0, guidance_scale=1.0, remove_invalid_values=False, renormalize_logits=False,
+)
+# Processors that only a None turns off, so a checkpoint that sets one is refused rather than silently applied.
+UNNEUTRAL_PROCESSORS = (
+    "sequence_bias", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+    "begin_suppress_tokens", "watermarking_config",
+)
+
+
+def check_no_logits_shaping(model):
+    """Refuse a checkpoint whose generation_config.json asks `generate` for a logits processor the policy's log-probs
+    do not apply (the rollout would be off-policy with no error)."""
+    config = getattr(model, "generation_config", None)
+    set_fields = [name for name in UNNEUTRAL_PROCESSORS if getattr(config, name, None) is not None]
+    if set_fields:
+        path = os.path.join(getattr(model, "name_or_path", "") or "<model>", "generation_config.json")
+        raise InputError(
+            f"{path} sets {', '.join(set_fields)}: a logits processor that the policy's log-probs do not apply, so "
+            "the rollout would sample off-policy; remove it there"
+        )
 
 
 def _shared_prefill(model, prompts, prompt_index):
