@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 from collections import Counter
 
@@ -147,8 +148,12 @@ def main(args):
 
                 hard = datasets.load_from_disk(hard_rows)
                 levels = random_levels(hard[LEVEL_COLUMN], seed=cfg.seed)
-                hard.remove_columns([LEVEL_COLUMN]).add_column(LEVEL_COLUMN, levels).save_to_disk(data + ".tmp")
-                os.replace(data + ".tmp", data)
+                tmp = f"{data}.tmp-{os.getpid()}"  # two drivers on one run may both write it: the first rename wins
+                hard.remove_columns([LEVEL_COLUMN]).add_column(LEVEL_COLUMN, levels).save_to_disk(tmp)
+                try:
+                    os.rename(tmp, data)
+                except OSError:
+                    shutil.rmtree(tmp, ignore_errors=True)
         overrides = {**cfg.grpo_hard, "freeze_vision_tower": arm["freeze_vision_tower"]}
         if arm["learning_rate"] is not None:
             overrides["learning_rate"] = arm["learning_rate"]
