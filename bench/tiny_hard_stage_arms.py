@@ -1,5 +1,5 @@
 """Rerun cycle 1's hard GRPO stage of a tiny `iterate.py` run under named arms, to find why it lowers held-out
-accuracy (docs/results/2026-12-03-tiny-hard-stage.md).
+accuracy (docs/results/2026-12-01-tiny-cycles.md: 0.705 -> 0.550 over three seeds).
 
     python iterate.py --num_cycles 1 --seed S --output_dir RUN   # stopped once cycle-1/grpo-hard starts
     python bench/tiny_hard_stage_arms.py --run_dir RUN --arms unfrozen-hard frozen-hard unfrozen-random \\
