@@ -8,8 +8,9 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("train_grpo", "train_sft", "train_mixgrpo", "evaluate", "distill", "iterate")
 LIBRARY = ("utils", "kernels", "rewards", "tiny", "bench")
-# bench_grpo.py times train_grpo.main itself (as a test runs a script): the script is what it measures.
-MEASURES_A_SCRIPT = {("bench.bench_grpo", "train_grpo")}
+# bench_grpo.py times train_grpo.main itself (as a test runs a script), tiny_hard_stage_arms.py reruns iterate.py's
+# hard stage with iterate's own recipe and runner: the script is what they measure.
+MEASURES_A_SCRIPT = {("bench.bench_grpo", "train_grpo"), ("bench.tiny_hard_stage_arms", "iterate")}
 
 
 def project_modules():
