@@ -31,7 +31,13 @@ def lora_model(base):
     return model
 
 
-@pytest.mark.parametrize("family", VLM_FAMILIES + TEXT_FAMILIES)
+# The fast tier keeps one family per kind of prompt pass (3-D rope, bidirectional image blocks, tiles, text only);
+# the full tier runs every family.
+FAST = ("qwen2_5_vl", "gemma4", "internvl", "qwen3")
+
+
+@pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=[pytest.mark.slow, pytest.mark.full])
+                                    for f in VLM_FAMILIES + TEXT_FAMILIES])
 def test_lora_logprobs_reference_and_step(family_models, family):
     base, processor = family_models(family)
     model = lora_model(base)
