@@ -21,7 +21,8 @@ def test_kv_sharing_layers_share_the_prompt_pass(family_models):
     text = config.text_config
     text.num_hidden_layers, text.num_kv_shared_layers = 4, 2
     text.layer_types = ["sliding_attention", "full_attention"] * 2
-    assert text.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    if hasattr(text, "kv_sharing_modes"):  # the config names the modes from transformers 5.2x on (not in 5.20)
+        assert text.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     torch.manual_seed(0)
     model = Gemma4ForConditionalGeneration(config).eval()
     prompts, repeated, index = group_batches(processor, "gemma4")
