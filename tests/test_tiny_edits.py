@@ -158,23 +158,44 @@ def test_each_reflection_turns_its_draft_into_the_prompt_s_render(reflections):
 
 
 def test_reflector_rows_load_and_encode_through_the_sft_loader(reflections, tmp_path):
+    import yaml
     from transformers import AutoProcessor
 
-    from tiny.cache import TINY_PLANNER_VLM, save_sharegpt
+    from tiny.cache import TINY_PLANNER_VLM, TINY_REFLECTOR_RECIPE, save_sharegpt
     from tiny.models import make_tiny_vlm
+    from tiny.reflector import reflector_sft_rows
+    from utils.models import load_model_and_processor
     from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
 
     table = load_sharegpt(save_sharegpt(reflections[:5], str(tmp_path / "rows")))
     assert table.column_names[:2] == ["messages", "images"] and "draft" in table.column_names
-    processor = AutoProcessor.from_pretrained(make_tiny_vlm(str(tmp_path / "vlm"), **TINY_PLANNER_VLM))
+    vlm = make_tiny_vlm(str(tmp_path / "vlm"), **TINY_PLANNER_VLM)
+    with open(TINY_REFLECTOR_RECIPE) as f:
+        recipe = yaml.safe_load(f)
+    _, processor = load_model_and_processor(vlm, min_pixels=recipe["min_pixels"])  # as the reflector's SFT
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     conversations = [sharegpt_conversation(table[i]) for i in range(len(table))]
     assert all(m[0]["content"][0] == {"type": "image"} for m, _ in conversations)  # the image first, as the stage
     batch = encode_sft_batch(processor, [m for m, _ in conversations], [i for _, i in conversations],
-                             sample_ids=table["id"])
-    for row, r in enumerate(reflections[:5]):
+                             sample_ids=table["id"], max_length=recipe["max_length"])
+    # a 32 px draft is nine merged image tokens under the recipe, one at the processor's own 56 x 56 floor
+    assert (batch["input_ids"] == pad).sum(1).tolist() == [9] * 5
+    default = AutoProcessor.from_pretrained(vlm)
+    one = encode_sft_batch(default, [conversations[0][0]], [conversations[0][1]], sample_ids=["r"])
+    assert (one["input_ids"] == pad).sum() == 1
+    for row, r in enumerate(reflections[:5]):  # every answer learnt whole within the recipe's max_length
         labels = batch["labels"][row]
         learnt = processor.tokenizer.decode(labels[labels != IGNORE_INDEX])
         assert learnt == r["messages"][1]["content"] + "<|im_end|>"
+    # the reflector's SFT rows mix imageless planner rows in: one batch encodes both
+    plans = [{"id": f"plan-{i}", "messages": [{"role": "user", "content": "plan the scene"},
+                                              {"role": "assistant", "content": "<think>red circle</think>"}]}
+             for i in range(2)]
+    mixed = load_sharegpt(save_sharegpt(reflector_sft_rows(reflections[:2], plans), str(tmp_path / "mixed")))
+    conversations = [sharegpt_conversation(mixed[i]) for i in range(len(mixed))]
+    batch = encode_sft_batch(processor, [m for m, _ in conversations], [i for _, i in conversations],
+                             sample_ids=mixed["id"], max_length=recipe["max_length"])
+    assert (batch["input_ids"] == pad).sum(1).tolist() == [9, 0, 9, 0]
 
 
 def test_synthetic_edits_and_reflect_build_once_per_spec(tmp_path, monkeypatch):

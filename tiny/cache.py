@@ -4,8 +4,8 @@ learn).
 
 Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-video-sft` (the video task's warm start), `tiny-base`
 and `tiny-reasoner` (the OpenVLThinker cycle's base VLM and text reasoner, tiny/cycle.py), `tiny-planner` (the
-Mix-GRPO warm start) and the data sets `synthetic:shapes`, `synthetic:video` (tiny/video_shapes.py), `synthetic:edits`
-and `synthetic:reflect` (tiny/edits.py) resolve here;
+Mix-GRPO warm start), `tiny-reflector` (tiny-planner also taught to reflect) and the data sets `synthetic:shapes`,
+`synthetic:video` (tiny/video_shapes.py), `synthetic:edits` and `synthetic:reflect` (tiny/edits.py) resolve here;
 anything else is passed through untouched.
 """
 
@@ -21,6 +21,7 @@ TINY_VIDEO_SFT_MODEL = "tiny-video-sft"  # tiny-sft after SFT on the video task:
 TINY_BASE_MODEL = "tiny-base"  # the tiny VLM pre-trained to describe scenes: the cycle's base and captioner
 TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason over scene descriptions
 TINY_PLANNER_MODEL = "tiny-planner"  # a word-level tiny VLM taught to write scene plans: the Mix-GRPO warm start
+TINY_REFLECTOR_MODEL = "tiny-reflector"  # tiny-planner also taught R3's reflect step: the warm start of both stages
 TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-planner
 TINY_DATASET = "synthetic:shapes"
 TINY_VIDEO_DATASET = "synthetic:video"
@@ -32,7 +33,11 @@ TINY_VIDEO_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_video_sft.
 TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_base.yaml")
 TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.yaml")
 TINY_PLANNER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_planner.yaml")
+TINY_REFLECTOR_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reflector.yaml")
 PLANNER_ROWS = dict(n=4096, seed=0, image_size=32)  # the tiny generator's rows: plans of the renders it draws
+# The reflector's SFT rows: every reflect training row, with this many of the planner's rows replayed among them so
+# the reason step is kept (R3 trains one model for both)
+REFLECTOR_PLAN_ROWS = 2048
 CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-cache"))
 
 # Train and held-out splits come from different seeds, so no held-out image is seen in training.
@@ -270,32 +275,55 @@ def tiny_t2i_prompts(n, seed):
     return os.path.join(folder, "prompts.jsonl")
 
 
+def _planner_spec():
+    from tiny import t2i
+    from utils.r3_format import REASON_PROMPT
+
+    return {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS,
+            "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}
+
+
+def _plan_rows(n):
+    from tiny import t2i
+    from utils.r3_format import REASON_PROMPT
+
+    rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])[:n]
+    return t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"])
+
+
 def tiny_planner_path():
     """The tiny Mix-GRPO policy's warm start: a fresh word-level tiny VLM (TINY_PLANNER_VLM) taught to answer
     train_mixgrpo's reason prompt with `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is
     trained on (tiny.t2i.scene_plan: the objects with a colour and a grid cell each)."""
-    from tiny import t2i
     from tiny.models import make_tiny_vlm
-    from utils.r3_format import REASON_PROMPT
 
-    spec = {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS,
-            "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}
-
-    def build(out):
-        rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])
-        save_sharegpt(t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"]), out)
-
-    data = cached("plans", spec, build)
+    spec = _planner_spec()
+    data = cached("plans", spec, lambda out: save_sharegpt(_plan_rows(PLANNER_ROWS["n"]), out))
     base = cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
     return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", base,
                                                                  "--dataset_name", data])
+
+
+def tiny_reflector_path():
+    """The warm start of the tiny job's two stages: tiny-planner after SFT on the reflect rows (a flawed draft ->
+    `<think>what is wrong</think>` + the one fixing edit, or "no further edit needed") with planner rows replayed
+    (recipes/stages/tiny_reflector.yaml, which also shows the 32 px drafts to the VLM at 84 px)."""
+    from tiny.edits import reflector_rows
+    from tiny.reflector import reflector_sft_rows
+
+    spec = {"tiny-planner": _planner_spec(), "reflect": REFLECT_SPLITS["train"], "plans": REFLECTOR_PLAN_ROWS,
+            "source": _edits_source() + _source(reflector_sft_rows)}
+    data = cached("reflector-rows", spec, lambda out: save_sharegpt(reflector_sft_rows(
+        reflector_rows(**REFLECT_SPLITS["train"]), _plan_rows(REFLECTOR_PLAN_ROWS)), out))
+    return _trained("tiny-reflector", TINY_REFLECTOR_RECIPE, spec, ["--model_name_or_path", tiny_planner_path(),
+                                                                     "--dataset_name", data])
 
 
 SYNTHETIC_DATASETS = {TINY_DATASET: shapes_dataset_path, TINY_VIDEO_DATASET: video_dataset_path,
                       TINY_EDITS_DATASET: edits_dataset_path, TINY_REFLECT_DATASET: reflect_dataset_path}
 TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_VIDEO_SFT_MODEL: tiny_video_sft_path,
                TINY_BASE_MODEL: tiny_base_path, TINY_REASONER_MODEL: tiny_reasoner_path,
-               TINY_PLANNER_MODEL: tiny_planner_path}
+               TINY_PLANNER_MODEL: tiny_planner_path, TINY_REFLECTOR_MODEL: tiny_reflector_path}
 
 
 def resolve_tiny_name(name):

@@ -1,0 +1,79 @@
+"""The tiny reflector: its SFT rows, what a reflector VLM writes for train_mixgrpo's reflect prompt, and whether
+its edit fixes the draft.
+
+A reflection is right when its instruction, read back (`tiny.edits.parse_instruction`) and carried out on the
+draft (`apply_edit`), gives the prompt's render (same objects, colours and cells), or when it says "no further edit
+needed" for a draft that already is the render. Used by bench/tiny_reflector_report.py and the reflector's tests.
+"""
+
+import json
+
+import torch
+
+from tiny.edits import FLAWS, apply_edit, parse_instruction, scene_key
+
+
+def reflector_sft_rows(reflect_rows, plan_rows) -> list[dict]:
+    """The reflector's SFT rows (tiny/cache.py's tiny-reflector): each reflect row (tiny.edits.reflector_rows) followed
+    in turn by one planner row (tiny.t2i.planner_rows, no image) while they last, then the planner rows left; id,
+    messages and images only, so the two kinds make one table."""
+    reflect = [dict(id=r["id"], messages=r["messages"], images=r["images"]) for r in reflect_rows]
+    plans = [dict(id=r["id"], messages=r["messages"], images=[]) for r in plan_rows]
+    mixed = []
+    for i, row in enumerate(reflect):
+        mixed += [row] + ([plans[i]] if i < len(plans) else [])
+    return mixed + plans[len(reflect):]
+
+
+def reflection_outcome(text: str, row: dict, *, image_size: int) -> dict:
+    """{format, kept, fixed} of one reflection on a reflector row (tiny.edits.reflector_rows): `format` as the
+    reflect stage's reward reads it, `kept` when it asks for no edit, `fixed` when the draft ends as the target."""
+    from utils.r3_format import reflection_of
+
+    fmt, instruction, kept = reflection_of(text)
+    draft, target = json.loads(row["draft"]), json.loads(row["target"])
+    if kept:
+        return dict(format=fmt, kept=True, fixed=scene_key(draft) == scene_key(target))
+    try:
+        edited = apply_edit(draft, parse_instruction(instruction), image_size=image_size)
+    except ValueError:  # an instruction the world cannot carry out (unreadable, or naming what is not there)
+        return dict(format=fmt, kept=False, fixed=False)
+    return dict(format=fmt, kept=False, fixed=scene_key(edited) == scene_key(target))
+
+
+@torch.no_grad()
+def reflections(model, processor, rows, *, max_new_tokens=72, batch=32) -> list[str]:
+    """The reflection a VLM writes greedily for each reflector row: its draft image under train_mixgrpo's reflect
+    prompt, as the reflect stage asks it."""
+    from utils.encoding import encode_prompts
+    from utils.r3_format import REFLECT_PROMPT, user_message
+    from utils.rollout import generate_completions, stop_token_ids
+
+    tok = processor.tokenizer
+    stops, texts = stop_token_ids(model, tok), []
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        enc = encode_prompts(processor, [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in chunk],
+                             [[r["images"][0]] for r in chunk], sample_ids=[r["id"] for r in chunk])
+        ids, mask = generate_completions(model, enc, row_seeds=torch.arange(len(chunk)), temperature=0.0,
+                                         max_new_tokens=max_new_tokens, eos_token_id=stops,
+                                         pad_token_id=tok.pad_token_id)
+        texts += tok.batch_decode(ids.masked_fill(mask == 0, tok.pad_token_id), skip_special_tokens=True)
+    return texts
+
+
+def reflection_scores(texts, rows, *, image_size: int) -> dict:
+    """Shares over the rows: format, fixed (overall and per flaw), no edit asked for a perfect draft (`kept_perfect`)
+    and for a flawed one (`kept_flawed`)."""
+    outcomes = [reflection_outcome(t, r, image_size=image_size) for t, r in zip(texts, rows)]
+
+    def share(values):
+        values = list(values)
+        return sum(values) / len(values) if values else float("nan")
+
+    perfect = [o for o, r in zip(outcomes, rows) if r["flaw"] == "none"]
+    flawed = [o for o, r in zip(outcomes, rows) if r["flaw"] != "none"]
+    return {"format": share(o["format"] for o in outcomes), "fixed": share(o["fixed"] for o in outcomes),
+            **{f"fixed/{flaw}": share(o["fixed"] for o, r in zip(outcomes, rows) if r["flaw"] == flaw)
+               for flaw in FLAWS},
+            "kept_perfect": share(o["kept"] for o in perfect), "kept_flawed": share(o["kept"] for o in flawed)}
