@@ -67,3 +67,26 @@ def test_reflector_sft_rows_replay_planner_rows_among_the_reflect_rows():
     # more plans than reflect rows: the rest at the end
     assert [r["id"] for r in reflector_sft_rows(reflector_rows(2, seed=0, image_size=SIZE), plans[:4])][-2:] == [
         "plan-2", "plan-3"]
+
+
+def test_with_eye_takes_the_vision_tower_and_nothing_else(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tiny.reflector import with_eye
+
+    def folder(name, value, vision_shape=(2, 2)):
+        (tmp_path / name).mkdir()
+        save_file({"visual.blocks.0.w": torch.full(vision_shape, value), "visual.merger.w": torch.full((3,), value),
+                   "model.layers.0.w": torch.full((2,), value), "lm_head.weight": torch.full((4,), value)},
+                  str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(name)
+        return str(tmp_path / name)
+
+    out = with_eye(folder("planner", 1.0), folder("sft", 2.0), str(tmp_path / "out"))
+    weights = load_file(f"{out}/model.safetensors")
+    assert {k: float(v[0]) if v.ndim == 1 else float(v[0, 0]) for k, v in weights.items()} == {
+        "visual.blocks.0.w": 2.0, "visual.merger.w": 2.0, "model.layers.0.w": 1.0, "lm_head.weight": 1.0}
+    assert (tmp_path / "out" / "config.json").read_text() == "planner"  # the planner's config and tokenizer
+    with pytest.raises(ValueError, match="does not match"):
+        with_eye(folder("planner2", 1.0), folder("other", 2.0, vision_shape=(3, 2)), str(tmp_path / "out2"))

@@ -305,17 +305,17 @@ def tiny_planner_path():
 
 
 def tiny_reflector_path():
-    """The warm start of the tiny job's two stages: tiny-planner after SFT on the reflect rows (a flawed draft ->
-    `<think>what is wrong</think>` + the one fixing edit, or "no further edit needed") with planner rows replayed
-    (recipes/stages/tiny_reflector.yaml, which also shows the 32 px drafts to the VLM at 84 px)."""
+    """The warm start of the tiny job's two stages: tiny-planner with tiny-sft's vision tower, after SFT on the
+    reflect rows (tiny.edits.reflector_rows) with planner rows replayed (recipes/stages/tiny_reflector.yaml)."""
     from tiny.edits import reflector_rows
-    from tiny.reflector import reflector_sft_rows
+    from tiny.reflector import reflector_sft_rows, with_eye
 
-    spec = {"tiny-planner": _planner_spec(), "reflect": REFLECT_SPLITS["train"], "plans": REFLECTOR_PLAN_ROWS,
-            "source": _edits_source() + _source(reflector_sft_rows)}
+    spec = {"tiny-planner": _planner_spec(), "eye": _tiny_sft_spec(), "reflect": REFLECT_SPLITS["train"],
+            "plans": REFLECTOR_PLAN_ROWS, "source": _edits_source() + _source(reflector_sft_rows, with_eye)}
     data = cached("reflector-rows", spec, lambda out: save_sharegpt(reflector_sft_rows(
         reflector_rows(**REFLECT_SPLITS["train"]), _plan_rows(REFLECTOR_PLAN_ROWS)), out))
-    return _trained("tiny-reflector", TINY_REFLECTOR_RECIPE, spec, ["--model_name_or_path", tiny_planner_path(),
+    start = cached("planner-eye", spec, lambda out: with_eye(tiny_planner_path(), tiny_sft_path(), out))
+    return _trained("tiny-reflector", TINY_REFLECTOR_RECIPE, spec, ["--model_name_or_path", start,
                                                                      "--dataset_name", data])
 
 

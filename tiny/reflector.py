@@ -13,6 +13,24 @@ import torch
 from tiny.edits import FLAWS, apply_edit, parse_instruction, scene_key
 
 
+def with_eye(model_dir: str, eye_dir: str, out_dir: str) -> str:
+    """A copy of the VLM folder `model_dir` whose vision tower and merger (`visual.*`) are `eye_dir`'s: the tiny
+    planner never saw an image, tiny-sft learnt to see the shapes (same vision config). Returns `out_dir`."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    weights = os.path.join(out_dir, "model.safetensors")
+    model, eye = load_file(weights), load_file(os.path.join(eye_dir, "model.safetensors"))
+    visual = [k for k in model if k.startswith("visual.")]
+    if not visual or any(k not in eye or eye[k].shape != model[k].shape for k in visual):
+        raise ValueError(f"{eye_dir}: its vision tower does not match {model_dir}'s (visual.* names and shapes)")
+    save_file({**model, **{k: eye[k] for k in visual}}, weights, metadata={"format": "pt"})
+    return out_dir
+
+
 def reflector_sft_rows(reflect_rows, plan_rows) -> list[dict]:
     """The reflector's SFT rows (tiny/cache.py's tiny-reflector): each reflect row (tiny.edits.reflector_rows) followed
     in turn by one planner row (tiny.t2i.planner_rows, no image) while they last, then the planner rows left; id,
