@@ -114,3 +114,26 @@ def test_edit_success_metric_on_hand_made_cases(triples):
     assert edit_outcome(broken, row) == dict(success=False, kept=False, carried=True)
     table = outcome_table(to_tensor([r["image_before"] for r in triples]), triples)
     assert table["none"]["success"] == 1.0 and table["all"]["success"] == 0.2 and table["add"]["kept"] == 1.0
+
+
+def test_cached_build_is_keyed_by_the_generator_it_starts_from(tmp_path, monkeypatch):
+    import tiny.cache as cache
+
+    monkeypatch.setattr(cache, "CACHE_DIR", str(tmp_path))
+    base = {"name": str(tmp_path / "tiny-generator-aaaa")}
+    monkeypatch.setattr(cache, "tiny_generator_path", lambda: base["name"])
+    calls = []
+
+    def fake_build(cmd, **kw):
+        calls.append(cmd)
+        os.makedirs(cmd[cmd.index("--output_dir") + 1])
+
+    monkeypatch.setattr("subprocess.run", fake_build)
+    first = cache.tiny_edit_generator_path(steps=3)
+    assert os.path.basename(first).startswith(cache.TINY_EDIT_GENERATOR + "-") and f"--generator={base['name']}" in \
+        calls[0] and "--steps=3" in calls[0]
+    assert cache.tiny_edit_generator_path(steps=3) == first and len(calls) == 1  # reused
+    base["name"] = str(tmp_path / "tiny-generator-bbbb")  # a rebuilt generator: a new edit generator
+    assert cache.tiny_edit_generator_path(steps=3) != first and len(calls) == 2
+    with pytest.raises(ValueError, match="--cfg_dropout"):
+        cache.tiny_edit_generator_path(image_dropout=0.95)
