@@ -12,7 +12,7 @@ import pytest
 
 import tiny.cache
 from tiny.cache import TINY_EDITS_DATASET, TINY_REFLECT_DATASET, resolve_dataset
-from tiny.detector import detect_shapes, score_t2i
+from tiny.detector import detected_scene, score_t2i
 from tiny.edits import (
     EDIT_KINDS,
     FLAWS,
@@ -80,15 +80,6 @@ def _cell_mask(cells):
     return mask
 
 
-def _detected_key(image):
-    found = []
-    for o in detect_shapes(image):
-        x0, y0, x1, y1 = o["box"]
-        cell = int((y0 + y1) / 2 * GRID / SIZE) * GRID + int((x0 + x1) / 2 * GRID / SIZE)
-        found.append((cell, o["color"], o["shape"]))
-    return sorted(found)
-
-
 def test_the_renders_differ_only_where_the_instruction_says(triples):
     for r in triples:
         edit = parse_instruction(r["instruction"])
@@ -99,8 +90,8 @@ def test_the_renders_differ_only_where_the_instruction_says(triples):
         else:
             assert changed.any() and not (changed & ~_cell_mask(_named_cells(edit))).any(), r["id"]
         # the detector sees each scene as written down, so its two object lists differ by the edited object alone
-        assert _detected_key(r["image_before"]) == scene_key(json.loads(r["before"])), r["id"]
-        assert _detected_key(r["image_after"]) == scene_key(json.loads(r["after"])), r["id"]
+        assert detected_scene(r["image_before"]) == scene_key(json.loads(r["before"])), r["id"]
+        assert detected_scene(r["image_after"]) == scene_key(json.loads(r["after"])), r["id"]
 
 
 def test_edits_keep_the_world_s_rules(triples):

@@ -6,7 +6,12 @@ Model names `tiny`, `tiny-sft` (the GRPO warm start), `tiny-video-sft` (the vide
 and `tiny-reasoner` (the OpenVLThinker cycle's base VLM and text reasoner, tiny/cycle.py), `tiny-planner` (the
 Mix-GRPO warm start), `tiny-reflector` (tiny-planner also taught to reflect) and the data sets `synthetic:shapes`,
 `synthetic:video` (tiny/video_shapes.py), `synthetic:edits` and `synthetic:reflect` (tiny/edits.py) resolve here;
+`tiny_generator_path()` and `tiny_edit_generator_path()` build the tiny Qwen-Image generator and its edit sibling;
 anything else is passed through untouched.
+
+Over 400 lines on purpose: every tiny build's name, cache key and builder in one place, because the keys chain (the
+reflector's holds the planner's and tiny-sft's specs, the edit generator's the generator's folder) and are read
+together; a split by world (VQA / text-to-image) is the next step when it grows again.
 """
 
 import hashlib
@@ -23,6 +28,7 @@ TINY_REASONER_MODEL = "tiny-reasoner"  # the tiny text LLM trained to reason ove
 TINY_PLANNER_MODEL = "tiny-planner"  # a word-level tiny VLM taught to write scene plans: the Mix-GRPO warm start
 TINY_REFLECTOR_MODEL = "tiny-reflector"  # tiny-planner also taught R3's reflect step: the warm start of both stages
 TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generator.py), conditioned on tiny-planner
+TINY_EDIT_GENERATOR = "tiny-edit-generator"  # the tiny generator taught to edit (tiny/edit_generator.py)
 TINY_DATASET = "synthetic:shapes"
 TINY_VIDEO_DATASET = "synthetic:video"
 TINY_EDITS_DATASET = "synthetic:edits"  # (scene, instruction, edited scene) triples: the edit generator's data
@@ -370,6 +376,31 @@ def tiny_generator_path(**overrides):
                        env=env)
 
     return cached(TINY_GENERATOR, spec, build)
+
+
+def tiny_edit_generator_path(**overrides):
+    """The tiny edit generator: tiny/edit_generator.py's defaults (or `overrides` of its config), trained once in its
+    own process from the tiny generator (built first, here) on the edit triples, and reused while the config, the
+    generator it starts from and the triples' source stay the same. Returns a QwenImageEditPipeline folder."""
+    import subprocess
+    import sys
+
+    from tiny.generator_config import TinyEditGeneratorConfig
+
+    cfg = TinyEditGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
+    base = tiny_generator_path() if cfg.generator == TINY_GENERATOR else os.path.abspath(cfg.generator)
+    # a cached generator by its name (its hash), wherever the cache lives; another folder by its path
+    generator = os.path.basename(base) if cfg.generator == TINY_GENERATOR else base
+    spec = {"edit_generator": cfg.spec(), "generator": generator, "rows": _edits_source()}
+
+    def build(out):
+        print(f"tiny edit generator: training into {out} (once; cached afterwards)", flush=True)
+        flags = [f"--{k}={v}" for k, v in dict(overrides, generator=base).items()]
+        env = {**os.environ, "MMGRPO_TINY_CACHE": os.path.abspath(CACHE_DIR)}
+        subprocess.run([sys.executable, "-m", "tiny.edit_generator", "--output_dir", out, *flags], check=True,
+                       cwd=REPO, env=env)
+
+    return cached(TINY_EDIT_GENERATOR, spec, build)
 
 
 def resolve_tiny(cfg, accelerator):

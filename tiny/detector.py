@@ -238,7 +238,18 @@ def detect_shapes(image, *, colors=tuple(PALETTE), min_area: float | None = None
                           denoise=denoise, min_side=min_side)["objects"]
 
 
-# --------------------------------------------------------------------------------------------------
+def detected_scene(image, grid: int = 3) -> list[tuple[int, str, str]]:
+    """The detected objects as a scene key: (cell of the grid x grid layout, colour, shape) of each, by the centre
+    of its box, sorted (what tiny.edits.scene_key says of a scene's object list)."""
+    height, width = _to_rgb_array(image).shape[:2]
+    found = []
+    for o in detect_shapes(image):
+        x0, y0, x1, y1 = o["box"]
+        row, col = min(grid - 1, int((y0 + y1) / 2 * grid / height)), min(grid - 1, int((x0 + x1) / 2 * grid / width))
+        found.append((row * grid + col, o["color"], o["shape"]))
+    return sorted(found)
+
+
 # --------------------------------------------------------------------------------------------------
 # Grading against a GenEval-schema row
 

@@ -46,6 +46,24 @@ def _timed(stages, name):
     stages[name] = {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu, 1)}
 
 
+@contextmanager
+def pinned_threads(n):
+    """torch's thread count set to n inside (the count changes float sums, and with them a cached build)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def save_summary(out_dir, name, summary, log=_log):
+    """A build's summary (config, timings, losses) as out_dir/name, and its timings logged."""
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(summary, f, indent=2)
+    log(f"{out_dir}: saved ({json.dumps(summary['timings'])})")
+
+
 def render_rows(rows, image_size, seed_offset=0) -> torch.Tensor:
     """Ground-truth renders [N, 3, H, W] in [0, 1]; row i drawn with seed seed_offset + i (so repeated prompts
     get different layouts)."""
@@ -158,11 +176,13 @@ def encode_images(gen, images, batch=256):
 
 
 @torch.no_grad()
-def encode_prompts(gen, prompts, size, batch=64):
-    """The adapter's conditioning of each prompt (unpadded [L_i, D] tensors, in order)."""
+def encode_prompts(gen, prompts, size, batch=64, images=None):
+    """The adapter's conditioning of each prompt (unpadded [L_i, D] tensors, in order); with `images` ([N, 3, H, W]
+    in [0, 1], one per prompt) through its edit path, where the VLM reads each prompt beside its input image."""
     out = []
     for i in range(0, len(prompts), batch):
-        cond = gen.encode_condition(prompts[i:i + batch], height=size, width=size, negative_prompt=None)
+        cond = gen.encode_condition(prompts[i:i + batch], None if images is None else images[i:i + batch],
+                                    height=size, width=size, negative_prompt=None)
         embeds, mask = cond.pos["embeds"], cond.pos["mask"]  # mask None: no padding in this batch
         out += list(embeds) if mask is None else [e[m.bool()] for e, m in zip(embeds, mask)]
     return out
@@ -178,20 +198,33 @@ def pad_embeds(embeds):
     return out, mask
 
 
-def flow_matching_loss(gen, x0, embeds, mask, size, generator, cfg):
+def flow_matching_loss(gen, x0, embeds, mask, size, generator, cfg, image_latents=None):
     """Rectified flow: x_t = (1 - sigma) x0 + sigma noise, target velocity noise - x0 (what the Euler step
-    x + v (sigma_next - sigma) follows); the velocity comes from the adapter, timestep = sigma * 1000."""
+    x + v (sigma_next - sigma) follows); the velocity comes from the adapter, timestep = sigma * 1000.
+    image_latents: an edit's input-image latents, joined to the sequence beside x_t as the edit path joins them."""
     sigma = torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn(x0.shape[0], generator=generator))
     noise = torch.randn(x0.shape, generator=generator)
     s = sigma.view(-1, 1, 1)
     x_t = (1 - s) * x0 + s * noise
-    cond = gen.condition_from_embeds(embeds, mask, height=size, width=size)
+    cond = gen.condition_from_embeds(embeds, mask, height=size, width=size, image_latents=image_latents)
     v = gen.velocity(x_t, sigma * gen.scheduler.config.num_train_timesteps, cond)
     return torch.nn.functional.mse_loss(v, noise - x0)
 
 
 def train_flow(gen, latents, row_prompt, prompt_embeds, neg_embeds, cfg, log=_log):
     """AdamW on the transformer; row_prompt[i] indexes prompt_embeds for latents[i]."""
+    def batch_loss(idx, g):
+        drop = torch.rand(len(idx), generator=g) < cfg.cfg_dropout
+        embeds, mask = pad_embeds([neg_embeds if d else prompt_embeds[row_prompt[i]] for i, d in zip(idx, drop)])
+        return flow_matching_loss(gen, latents[idx], embeds, mask, cfg.image_size, g, cfg)
+
+    return fit_transformer(gen, len(latents), batch_loss, cfg, log)
+
+
+def fit_transformer(gen, n_rows, batch_loss, cfg, log=_log):
+    """AdamW on the transformer's trainable weights: each step batch_loss(row indices, torch.Generator) of
+    cfg.batch_size rows drawn from n_rows; warm-up then cosine to 0, grad clip 1, optional EMA (saved in place of
+    the weights). Returns the loss history."""
     params = [p for p in gen.transformer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
     g = torch.Generator().manual_seed(cfg.seed + 2)
@@ -199,12 +232,10 @@ def train_flow(gen, latents, row_prompt, prompt_embeds, neg_embeds, cfg, log=_lo
     ema = [p.detach().clone() for p in params] if cfg.ema_decay > 0 else None
     history = []
     for step in range(cfg.steps):
-        idx = torch.randint(0, len(latents), (cfg.batch_size,), generator=g)
-        drop = torch.rand(cfg.batch_size, generator=g) < cfg.cfg_dropout
-        embeds, mask = pad_embeds([neg_embeds if d else prompt_embeds[row_prompt[i]] for i, d in zip(idx, drop)])
+        idx = torch.randint(0, n_rows, (cfg.batch_size,), generator=g)
         for group in opt.param_groups:
             group["lr"] = cfg.learning_rate * _cosine(step, cfg.steps, cfg.warmup_steps)
-        loss = flow_matching_loss(gen, latents[idx], embeds, mask, cfg.image_size, g, cfg)
+        loss = batch_loss(idx, g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -261,20 +292,24 @@ def vae_roundtrip(gen, images):
 
 
 @torch.no_grad()
-def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds=None, batch=40, shift=None):
-    """ODE samples (CFG against the negative prompt " " when guidance_scale > 1), image i drawn from its own
-    torch.Generator seeded seeds[i] (default i), so an image does not depend on the batch it is drawn in."""
+def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds=None, batch=40, shift=None,
+                  images=None, image_scale=1.0, interval=None):
+    """ODE samples (CFG against the negative prompt " " when guidance_scale > 1, within `interval` of sigma when
+    given), image i drawn from its own torch.Generator seeded seeds[i] (default i), so an image does not depend on
+    the batch it is drawn in. images ([N, 3, H, W] in [0, 1]): edits of them through the adapter's edit path, with
+    image CFG (against the prompt without the image) when image_scale > 1."""
     from utils.flow.generators import Guidance, sample
 
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+    guidance = Guidance(scale=guidance_scale, interval=interval, image_scale=image_scale)
+    extra = dict(image_guidance=True) if images is not None and image_scale > 1 else {}
     out = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
-        cond = gen.encode_condition(chunk, height=size, width=size,
-                                    negative_prompt=" " if guidance_scale > 1 else None)
+        cond = gen.encode_condition(chunk, None if images is None else images[i:i + batch], height=size, width=size,
+                                    negative_prompt=" " if guidance_scale > 1 else None, **extra)
         gens = [torch.Generator().manual_seed(s) for s in seeds[i:i + batch]]
-        out.append(sample(gen, cond, num_steps=num_steps, guidance=Guidance(scale=guidance_scale), shift=shift,
-                          generator=gens).images)
+        out.append(sample(gen, cond, num_steps=num_steps, guidance=guidance, shift=shift, generator=gens).images)
     return torch.cat(out)
 
 
@@ -304,10 +339,8 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
 
     from utils.flow.adapters import QwenImageGenerator
 
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
     stages = {}
-    try:
+    with pinned_threads(cfg.threads):
         vlm, processor, vlm_path = load_text_encoder(cfg.text_encoder)  # a bad --text_encoder fails before any training
         with _timed(stages, "render"):
             rows, held = make_t2i_prompts(cfg.train_rows, seed=cfg.seed), heldout_rows()
@@ -345,12 +378,8 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
                    "vae_roundtrip_heldout": recon, "vae_mse_last50": float(np.mean(vae_history[-50:])),
                    "flow_loss_first_last50": [float(np.mean(flow_history[:50])), float(np.mean(flow_history[-50:]))],
                    "flow_s_per_step": {k: round(v / cfg.steps, 3) for k, v in stages["flow"].items()}}
-        with open(os.path.join(cfg.output_dir, SUMMARY), "w") as f:
-            json.dump(summary, f, indent=2)
-        log(f"tiny generator saved to {cfg.output_dir}: {json.dumps(stages)}")
+        save_summary(cfg.output_dir, SUMMARY, summary, log)
         return cfg.output_dir
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 if __name__ == "__main__":

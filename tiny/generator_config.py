@@ -1,6 +1,6 @@
-"""The tiny generator's build config (tiny/generator.py's flags) and its cache key. A module of its own so that
-tiny.cache keys and checks a build without importing the builder, which reads its cached text encoders from
-tiny.cache: the arrows run generator -> cache -> generator_config, never back."""
+"""The tiny generators' build configs (tiny/generator.py's and tiny/edit_generator.py's flags) and their cache
+keys. A module of its own so that tiny.cache keys and checks a build without importing the builder, which reads its
+cached text encoders from tiny.cache: the arrows run generator -> cache -> generator_config, never back."""
 
 from __future__ import annotations
 
@@ -62,3 +62,40 @@ class TinyGeneratorConfig:
     def spec(self) -> dict:
         """What the built weights depend on (the cache key): everything but where they are written."""
         return {k: v for k, v in self.__dict__.items() if k not in ("output_dir", "log_every")}
+
+
+@dataclass
+class TinyEditGeneratorConfig:
+    """tiny/edit_generator.py's flags: the tiny generator taught to edit on the synthetic edit triples."""
+
+    output_dir: str = "outputs/tiny-edit-generator"  # the QwenImageEditPipeline folder to write
+    # the generator whose VAE, frozen text encoder, scheduler (and with warm_start, transformer) it starts from:
+    # tiny-generator (tiny.cache.tiny_generator_path(), built on first use) or a Qwen-Image pipeline folder
+    generator: str = "tiny-generator"
+    warm_start: bool = True  # start from the generator's transformer; off: a fresh one of the same shape
+    image_size: int = 32  # px, the generator's
+    train_rows: int = 4096  # tiny.edits.edit_triples(train_rows, seed=seed): the first rows of synthetic:edits train
+    seed: int = 0
+    threads: int = 1  # torch threads, pinned (the thread count changes float sums, and with them the cache)
+    negative_prompt: str = " "  # the adapter's default negative prompt, the text branch of CFG
+
+    # Flow matching (the generator's loop, tiny.generator.fit_transformer)
+    steps: int = 1000  # held-out edit success 0.06 (identity 0.20): docs/results/2026-12-03-tiny-edit-generator.md
+    batch_size: int = 32
+    learning_rate: float = 3e-3  # AdamW (0.9, 0.99), linear warm-up, cosine to 0, grad clip 1 (1e-3: 0.04)
+    warmup_steps: int = 30
+    cfg_dropout: float = 0.1  # share of rows on the negative prompt's encoding (with their input image)
+    image_dropout: float = 0.1  # share of rows without the input image: the branch image CFG guides against
+    logit_mean: float = 0.0  # sigma = sigmoid(N(logit_mean, logit_std))
+    logit_std: float = 1.0
+    ema_decay: float = 0.995
+    log_every: int = 50
+
+    def __post_init__(self):
+        if not (0 <= self.cfg_dropout and 0 <= self.image_dropout and self.cfg_dropout + self.image_dropout < 1):
+            raise ValueError(f"--cfg_dropout {self.cfg_dropout} --image_dropout {self.image_dropout}: each >= 0, "
+                             "their sum < 1")
+
+    def spec(self) -> dict:
+        """What the built weights depend on (the cache key, with the generator's): all but where they go."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("output_dir", "log_every", "generator")}

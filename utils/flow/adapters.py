@@ -239,12 +239,16 @@ class QwenImageGenerator(FlowGenerator):
                                            max_sequence_length=max_sequence_length)
         return encode, self.encode_image(pil, ch, cw), [(1, ch // vsf // 2, cw // vsf // 2)]
 
-    def condition_from_embeds(self, embeds, mask=None, neg_embeds=None, neg_mask=None, *, height, width):
-        """A text-to-image condition from hidden states computed elsewhere (as encode_prompt returns them)."""
+    def condition_from_embeds(self, embeds, mask=None, neg_embeds=None, neg_mask=None, *, height, width,
+                              image_latents=None):
+        """A condition from hidden states computed elsewhere (as encode_prompt returns them): text-to-image, or with
+        image_latents (an input image's packed latents at height x width, as `encode_image` returns them) an edit
+        whose input-image tokens join the sequence as `encode_condition`'s edit path joins them."""
         vsf = self.pipe.vae_scale_factor
         neg = None if neg_embeds is None else {"embeds": neg_embeds, "mask": neg_mask}
+        shapes = [(1, height // vsf // 2, width // vsf // 2)] * (1 if image_latents is None else 2)
         return FlowCondition(pos={"embeds": embeds, "mask": mask}, neg=neg, height=height, width=width,
-                             shared={"img_shapes": [(1, height // vsf // 2, width // vsf // 2)]})
+                             image_latents=image_latents, shared={"img_shapes": shapes})
 
     def prepare_latents(self, batch_size, height, width, generator=None):
         channels = self.transformer.config.in_channels // 4
