@@ -38,6 +38,7 @@ from tiny.generator import (
     pinned_threads,
     sample_images,
     save_summary,
+    to_tensor,
     to_uint8,
 )
 from tiny.generator_config import TinyEditGeneratorConfig
@@ -52,11 +53,6 @@ OUTCOMES = ("success", "kept", "carried")
 def edit_texts(rows) -> list[str]:
     """What the edit generator reads: "prompt\\ninstruction", as train_mixgrpo's refine stage joins them."""
     return [f"{r['prompt']}\n{r['instruction']}" for r in rows]
-
-
-def to_tensor(images) -> torch.Tensor:
-    """PIL images -> [N, 3, H, W] in [0, 1]."""
-    return torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images])).permute(0, 3, 1, 2) / 255.0
 
 
 def load_generator(path, image_size):

@@ -67,8 +67,12 @@ def save_summary(out_dir, name, summary, log=_log):
 def render_rows(rows, image_size, seed_offset=0) -> torch.Tensor:
     """Ground-truth renders [N, 3, H, W] in [0, 1]; row i drawn with seed seed_offset + i (so repeated prompts
     get different layouts)."""
-    arrays = [np.asarray(render_t2i(row, image_size=image_size, seed=seed_offset + i)) for i, row in enumerate(rows)]
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
+    return to_tensor([render_t2i(row, image_size=image_size, seed=seed_offset + i) for i, row in enumerate(rows)])
+
+
+def to_tensor(images) -> torch.Tensor:
+    """PIL images -> [N, 3, H, W] float32 in [0, 1] (the inverse of `to_uint8`)."""
+    return torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images])).permute(0, 3, 1, 2) / 255.0
 
 
 def _cosine(step, total, warmup):
