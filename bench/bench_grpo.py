@@ -168,12 +168,14 @@ def run_ours(spec):
     train_grpo.save_checkpoint = save_checkpoint
     cpu_marks = []  # process CPU seconds at each metrics row: robust to other jobs on a shared machine
 
-    class TimedLogger(train_grpo.RunLogger):
+    import utils.run
+
+    class TimedLogger(utils.run.RunLogger):
         def log(self, step, metrics):
             cpu_marks.append(time.process_time())
             super().log(step, metrics)
 
-    train_grpo.RunLogger = TimedLogger
+    utils.run.RunLogger = TimedLogger  # start_logging builds the run's logger
     cfg = train_grpo.GRPOConfig(
         model_name_or_path=spec["model"], dataset_name=spec["data"], prompt_template=spec["template"],
         max_prompt_length=None,

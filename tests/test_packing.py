@@ -208,3 +208,94 @@ def test_packed_equals_padded_with_several_images_per_prompt(tmp_path):
         return (logps.detach(), None), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     assert_same(run(CompletionLogProbs(model)), run(CompletionLogProbs(model, padding_free=True)))
+
+
+class FakeAttention(torch.nn.Module):
+    def __init__(self, groups, is_causal=True):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, is_causal
+
+
+def random_pieces(unit_shapes, vocab=50):
+    """Units of (prefix length, completion lengths) as Packed pieces (1-D positions, no side inputs)."""
+    gen = torch.Generator().manual_seed(1)
+    pieces = []
+    for prefix, completions in unit_shapes:
+        unit = [(-1, torch.randint(vocab, (prefix,), generator=gen), torch.arange(prefix), {})]
+        unit += [(c, torch.randint(vocab, (n,), generator=gen), prefix + torch.arange(n), {})
+                 for c, n in enumerate(completions)]
+        pieces.append(unit)
+    return pieces
+
+
+def test_segment_attention_equals_the_dense_mask_and_skips_masked_pairs(monkeypatch):
+    """Per-piece SDPA over the keys each piece sees equals SDPA under the dense row mask at every real token
+    (grouped KV heads, two units in a row, a row of its own, row padding), and computes only the visible pairs."""
+    import torch.nn.functional as F
+
+    import utils.packing as packing
+
+    shapes = [(5, [3, 1, 4]), (2, [2]), (9, [6, 5])]
+    pieces = random_pieces(shapes)
+    packed = packing.Packed(pieces, max_tokens=10**6, device="cpu")
+    assert len(packed.rows) == 2 and packed.width == 20  # units 0 and 1 share the first row (13 + 4 tokens)
+    gen = torch.Generator().manual_seed(2)
+    rows, width = len(packed.rows), packed.width
+    q = torch.randn(rows, 4, width, 8, generator=gen, requires_grad=True)
+    k = torch.randn(rows, 2, width, 8, generator=gen, requires_grad=True)
+    v = torch.randn(rows, 2, width, 8, generator=gen, requires_grad=True)
+    module = FakeAttention(groups=2)
+
+    pairs = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, **kw):
+        n_q, n_k = query.shape[2], key.shape[2]
+        pairs.append(n_q * (n_q + 1) // 2 if kw.get("is_causal") else int(kw["attn_mask"].sum()))
+        assert kw.get("is_causal") or n_q * n_k == kw["attn_mask"].numel()
+        return sdpa(query, key, value, **kw)
+
+    monkeypatch.setattr(packing.F, "scaled_dot_product_attention", counting_sdpa)
+    out, _ = packing.segment_attention(module, q, k, v, None, scaling=0.3, packed_segments=packed.segments)
+    monkeypatch.setattr(packing.F, "scaled_dot_product_attention", sdpa)
+
+    dense = packed.attention_mask() == 0  # eager's additive mask, as booleans
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    want = sdpa(q, kk, vv, attn_mask=dense, scale=0.3).transpose(1, 2)
+    real = (packed.owner >= 0)[..., None, None]
+    assert out.shape == want.shape
+    assert torch.allclose(out * real, want * real, atol=1e-6)
+    assert (out * ~real).abs().sum() == 0
+
+    grad = torch.randn(out.shape, generator=gen) * real
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-5)
+    # every visible pair once, each prefix causal over itself: no masked block is computed
+    causal = lambda n: n * (n + 1) // 2  # noqa: E731
+    visible = sum(causal(p) + sum(n * p + causal(n) for n in comps) for p, comps in shapes)
+    tokens = packed.owner >= 0
+    assert sum(pairs) == visible == int((dense[:, 0] & tokens[:, :, None] & tokens[:, None, :]).sum())
+    assert sum(pairs) < 0.6 * rows * width * width
+
+
+def test_segment_attention_leaves_other_calls_to_sdpa():
+    """Without packed segments (generation, the padded pass), or in a bidirectional layer that the same kwargs
+    reach (a vision tower), the call is transformers' sdpa; a causal layer of another shape is an error."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import utils.packing as packing
+
+    assert AttentionInterface._global_mapping["sdpa"] is packing.segment_attention
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=gen) for _ in range(3))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    for module, segments in ((FakeAttention(1), None), (FakeAttention(1, is_causal=False), "unused")):
+        got, _ = packing.segment_attention(module, q, k, v, mask, scaling=0.5, packed_segments=segments)
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.5)
+        assert torch.equal(got, want)
+    packed = packing.Packed(random_pieces([(3, [2])]), max_tokens=100, device="cpu")
+    with pytest.raises(ValueError, match="packed rows of 1 x 5 tokens"):
+        packing.segment_attention(FakeAttention(1), q, k, v, None, packed_segments=packed.segments)

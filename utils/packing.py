@@ -7,21 +7,26 @@ position ids restart per sequence (Qwen-VL's 3-row multimodal rope: the position
 padded batch, image tokens included). The hidden states that predict each completion token are gathered back to
 the padded [B, T] layout, so the LM head, the losses and the tests see exactly what the padded pass returns.
 
-The mask is an explicit 4-D mask (boolean for sdpa, additive for eager), which HF models take as it is; attention
-kernels that take no 4-D mask (flash_attention_2, flex) and families whose image tokens attend bidirectionally
-are refused with the reason (`packing_unsupported_reason`). Masked attention computes every pair of a row, so a
-row's attention costs its length squared: rows hold at most the longest unit's tokens (units are not split;
-shorter units share a row), which keeps the attention at or under the padded pass's, and never more than
+Under sdpa the packed rows go to `segment_attention` (registered as transformers' "sdpa"; every call without
+packed segments is passed to transformers' own sdpa unchanged), which runs one SDPA per piece over only the keys the
+piece sees: its unit's prefix and its own earlier tokens. No dense row mask is built, and a unit's attention costs
+the sum of its pieces' pairs rather than the square of its length (the masked blocks are skipped). Eager attention
+takes an explicit additive 4-D mask instead. Attention kernels that take neither (flash_attention_2, flex) and
+families whose image tokens attend bidirectionally are refused with the reason (`packing_unsupported_reason`).
+Rows hold at most the longest unit's tokens (units are not split; shorter units share a row), and never more than
 MAX_PACKED_TOKENS unless one unit is longer.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-# Tokens per packed row: the dense row mask grows as its square (64 MiB of booleans at 8192).
+# Tokens per packed row: eager's dense row mask grows as its square (256 MiB of fp32 at 8192).
 MAX_PACKED_TOKENS = 8192
-MASKED_ATTENTION = ("sdpa", "eager")
+PACKED_ATTENTION = ("sdpa", "eager")
 # Families whose image tokens attend to each other both ways (token_type_ids): a causal block mask is not theirs.
 BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "gemma3n", "paligemma")
 
@@ -35,8 +40,8 @@ def packing_unsupported_reason(model_or_config):
     """None when this model's packed pass equals its padded one, else why it cannot be packed (one line)."""
     config = getattr(model_or_config, "config", model_or_config)
     impl = _attn_implementation(config)
-    if impl not in MASKED_ATTENTION:
-        return (f"attention {impl!r} takes no 4-D mask; packing needs one of {', '.join(MASKED_ATTENTION)} "
+    if impl not in PACKED_ATTENTION:
+        return (f"attention {impl!r} has no packed path; packing needs one of {', '.join(PACKED_ATTENTION)} "
                 "(--attn_implementation sdpa)")
     if config.model_type in BIDIRECTIONAL_IMAGE_FAMILIES:
         return f"{config.model_type}'s image tokens attend bidirectionally; the packed mask is causal"
@@ -57,6 +62,65 @@ def resolve_padding_free(flag, model, notice=print):
     if flag is None and reason:
         notice(f"--padding_free off (padded log-prob pass): {reason}")
     return reason is None if flag is None else flag
+
+
+class Segments:
+    """The attention pattern of packed rows, for `segment_attention`: per row, (start, end, prefix_start,
+    prefix_end) column ranges, one per piece. A piece's queries see its unit's prefix (an empty range for the
+    prefix itself) and, causally, its own tokens. Columns after a row's last piece are row padding: zeros."""
+
+    def __init__(self, rows, width):
+        self.rows, self.width = rows, width
+        self._masks = {}
+
+    def mask(self, n, n_prefix, device):
+        """[n, n_prefix + n] booleans (True: attend): the whole prefix, then causal over the piece's own tokens."""
+        key = (n, n_prefix, device)
+        if key not in self._masks:
+            own = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            self._masks[key] = torch.cat([own.new_ones(n, n_prefix), own], 1)
+        return self._masks[key]
+
+
+def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_segments=None,
+                      **kwargs):
+    """transformers' sdpa attention, except for the causal layers of a packed pass (`packed_segments` given):
+    there, one SDPA per piece over the keys it sees. query [rows, heads, width, d] -> ([rows, width, heads, d], None).
+    Bidirectional layers (vision towers, which the same kwargs reach) take the plain path."""
+    if packed_segments is None or not getattr(module, "is_causal", True):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    seg = packed_segments
+    if query.shape[0] != len(seg.rows) or query.shape[2] != seg.width:
+        raise ValueError(f"padding_free: a causal layer got queries {tuple(query.shape)} for packed rows of "
+                         f"{len(seg.rows)} x {seg.width} tokens")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    rows = []
+    for r, pieces in enumerate(seg.rows):
+        outs = []
+        for start, end, p_start, p_end in pieces:
+            q = query[r:r + 1, :, start:end]
+            if p_start == p_end:  # a prefix: causal over itself
+                out = F.scaled_dot_product_attention(q, key[r:r + 1, :, start:end], value[r:r + 1, :, start:end],
+                                                     dropout_p=dropout, scale=scaling, is_causal=True)
+            else:  # a completion: its prefix, then itself
+                k = torch.cat([key[r:r + 1, :, p_start:p_end], key[r:r + 1, :, start:end]], 2)
+                v = torch.cat([value[r:r + 1, :, p_start:p_end], value[r:r + 1, :, start:end]], 2)
+                mask = seg.mask(end - start, p_end - p_start, q.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            outs.append(out)
+        used = pieces[-1][1] if pieces else 0
+        if used < seg.width:
+            outs.append(query.new_zeros(1, query.shape[1], seg.width - used, value.shape[-1]))
+        rows.append(torch.cat(outs, 2))
+    return torch.cat(rows, 0).transpose(1, 2).contiguous(), None
+
+
+# Registered under transformers' own name, so every sdpa model (policy, reference, under gradient checkpointing,
+# whose recomputation re-reads the attention function) takes it; calls without packed segments are sdpa's.
+AttentionInterface.register("sdpa", segment_attention)
 
 
 def _is_prefix_mask(mask):
@@ -96,13 +160,16 @@ class Packed:
         # per token: its unit (-1: row padding) and its completion (-1: the prefix)
         owner = torch.full((n_rows, width), -1, dtype=torch.long, device=device)
         comp = torch.full((n_rows, width), -1, dtype=torch.long, device=device)
-        self.start = {}
+        self.start, segments = {}, []
         for r, row in enumerate(self.rows):
-            col = 0
+            col, segments_r = 0, []
             for u in row:
+                prefix = (col, col + pieces[u][0][1].shape[0])
                 for j, (kind, p_ids, p_pos, p_side) in enumerate(pieces[u]):
                     k = p_ids.shape[0]
                     self.start[(u, j)] = r * width + col
+                    if k:
+                        segments_r.append((col, col + k) + ((col, col) if kind == -1 else prefix))
                     ids[r, col:col + k] = p_ids
                     if mrope:
                         pos[:, r, col:col + k] = p_pos if p_pos.dim() == 2 else p_pos.expand(3, -1)
@@ -113,30 +180,34 @@ class Packed:
                     owner[r, col:col + k] = u
                     comp[r, col:col + k] = kind
                     col += k
+            segments.append(segments_r)
         self.input_ids, self.position_ids, self.side = ids, pos, side
-        idx = torch.arange(width, device=device)
-        causal = idx[None, :] <= idx[:, None]
-        same_unit = owner[:, :, None] == owner[:, None, :]
-        # a key is visible if it is its unit's prefix or the query's own completion; row padding sees itself only
-        visible = (comp[:, None, :] == -1) | (comp[:, None, :] == comp[:, :, None])
-        self.allowed = (same_unit & causal & visible & (owner[:, :, None] >= 0)) | torch.eye(
-            width, dtype=torch.bool, device=device)
-        self.allowed = self.allowed[:, None]  # [rows, 1, width, width]
+        self.owner, self.comp = owner, comp
+        self.segments = Segments(segments, width)
         self.tokens = sum(lengths)
 
-    def attention_mask(self, attn_implementation):
-        """Boolean (True: attend) for sdpa; additive fp32 for eager (its scores are promoted to fp32 by it)."""
-        if attn_implementation == "sdpa":
-            return self.allowed
-        blocked = torch.zeros(self.allowed.shape, dtype=torch.float32, device=self.allowed.device)
-        return blocked.masked_fill_(~self.allowed, torch.finfo(torch.float32).min)
+    def attention_mask(self):
+        """eager's mask: additive fp32 (its scores are promoted to fp32), [rows, 1, width, width]. A key is
+        visible if it is its unit's prefix or the query's own completion; row padding sees itself only."""
+        owner, comp, width = self.owner, self.comp, self.width
+        idx = torch.arange(width, device=owner.device)
+        causal = idx[None, :] <= idx[:, None]
+        same_unit = owner[:, :, None] == owner[:, None, :]
+        visible = (comp[:, None, :] == -1) | (comp[:, None, :] == comp[:, :, None])
+        allowed = (same_unit & causal & visible & (owner[:, :, None] >= 0)) | torch.eye(
+            width, dtype=torch.bool, device=owner.device)
+        blocked = torch.zeros((allowed.shape[0], 1, width, width), dtype=torch.float32, device=owner.device)
+        return blocked.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
 
     def forward(self, base, extra):
         """Hidden states [rows * width, H] of the packed rows through `base` (the HF model without its head)."""
         config = base.config
         inputs = dict(extra, **self.side)
-        out = base(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False,
-                   attention_mask=self.attention_mask(_attn_implementation(config)), **inputs)
+        if _attn_implementation(config) == "sdpa":
+            inputs["packed_segments"] = self.segments
+        else:
+            inputs["attention_mask"] = self.attention_mask()
+        out = base(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False, **inputs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden.reshape(-1, hidden.shape[-1])
 
