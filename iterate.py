@@ -252,7 +252,9 @@ class Runner:
         print(f"[iterate] {name}: {' '.join(command)}", flush=True)
         start = time.monotonic()
         with open(os.path.join(folder, "stage.log"), "a", encoding="utf-8") as log:
-            self.child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            # the stage runs where iterate.py was started: --output_dir, the data and the configs are the caller's
+            # relative paths (the scripts themselves are given by absolute path)
+            self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True, bufsize=1, preexec_fn=die_with_parent)
             for line in self.child.stdout:
                 sys.stdout.write(line)

@@ -78,6 +78,16 @@ def test_a_finished_stage_is_never_run_again(tmp_path):
     assert not (tmp_path / "bad" / "stage.json").exists()
 
 
+def test_a_stage_runs_where_iterate_was_started(tmp_path, monkeypatch):
+    """Relative --output_dir, data and recipe paths are the caller's: a stage started from another folder than
+    the repository writes its relative paths there, beside the folder iterate.py itself writes."""
+    monkeypatch.chdir(tmp_path)
+    command = [sys.executable, "-c", "import os; open(os.path.join('out', 's', 'child.txt'), 'w').write('x')"]
+    Runner(IterateConfig()).run("s", os.path.join("out", "s"), command)
+    assert (tmp_path / "out" / "s" / "child.txt").read_text() == "x"
+    assert (tmp_path / "out" / "s" / "stage.json").exists()
+
+
 def test_bad_settings_fail_before_any_stage(tmp_path):
     with pytest.raises(ValueError, match="--keep_previous must be in"):
         iterate.main(IterateConfig(keep_previous=1.0, output_dir=str(tmp_path)))
