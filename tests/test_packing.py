@@ -250,7 +250,7 @@ def test_segment_attention_equals_the_dense_mask_and_skips_masked_pairs(monkeypa
     sdpa = F.scaled_dot_product_attention
 
     def counting_sdpa(query, key, value, **kw):
-        n_q, n_k = query.shape[2], key.shape[2]
+        n_q, n_k = query.shape[-2], key.shape[-2]
         pairs.append(n_q * (n_q + 1) // 2 if kw.get("is_causal") else int(kw["attn_mask"].sum()))
         assert kw.get("is_causal") or n_q * n_k == kw["attn_mask"].numel()
         return sdpa(query, key, value, **kw)

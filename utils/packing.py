@@ -98,24 +98,28 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     rows = []
-    for r, pieces in enumerate(seg.rows):
+    # split, not sliced: the backward of a split is one concatenation, a slice's writes into a zero tensor per piece
+    for pieces, q_row, k_row, v_row in zip(seg.rows, query.unbind(0), key.unbind(0), value.unbind(0)):
+        sizes = [end - start for start, end, _, _ in pieces]
+        tail = seg.width - sum(sizes)  # pieces are contiguous from column 0; the rest is row padding
+        qs, ks, vs = (t.split(sizes + [tail], dim=1) for t in (q_row, k_row, v_row))
+        prefix_of = {}  # a prefix's start column -> its piece index
         outs = []
-        for start, end, p_start, p_end in pieces:
-            q = query[r:r + 1, :, start:end]
+        for i, (start, end, p_start, p_end) in enumerate(pieces):
             if p_start == p_end:  # a prefix: causal over itself
-                out = F.scaled_dot_product_attention(q, key[r:r + 1, :, start:end], value[r:r + 1, :, start:end],
-                                                     dropout_p=dropout, scale=scaling, is_causal=True)
+                prefix_of[start] = i
+                out = F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout, scale=scaling,
+                                                     is_causal=True)
             else:  # a completion: its prefix, then itself
-                k = torch.cat([key[r:r + 1, :, p_start:p_end], key[r:r + 1, :, start:end]], 2)
-                v = torch.cat([value[r:r + 1, :, p_start:p_end], value[r:r + 1, :, start:end]], 2)
-                mask = seg.mask(end - start, p_end - p_start, q.device)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+                j = prefix_of[p_start]
+                mask = seg.mask(end - start, p_end - p_start, q_row.device)
+                out = F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 1), torch.cat([vs[j], vs[i]], 1),
+                                                     attn_mask=mask, dropout_p=dropout, scale=scaling)
             outs.append(out)
-        used = pieces[-1][1] if pieces else 0
-        if used < seg.width:
-            outs.append(query.new_zeros(1, query.shape[1], seg.width - used, value.shape[-1]))
-        rows.append(torch.cat(outs, 2))
-    return torch.cat(rows, 0).transpose(1, 2).contiguous(), None
+        if tail:
+            outs.append(q_row.new_zeros(q_row.shape[0], tail, value.shape[-1]))
+        rows.append(torch.cat(outs, 1))
+    return torch.stack(rows).transpose(1, 2).contiguous(), None
 
 
 # Registered under transformers' own name, so every sdpa model (policy, reference, under gradient checkpointing,
