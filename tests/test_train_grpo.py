@@ -558,17 +558,16 @@ def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(a
 @pytest.mark.parametrize("zero", [pytest.param("zero2", marks=pytest.mark.full), "zero3"])
 def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, ddp_run, tmp_path, zero):
     # DS_ACCELERATOR=cpu: DeepSpeed's gloo group on the CPU (ZeRO-3: sharded weights, gathered generation);
-    # beta > 0: the frozen reference copy is a DeepSpeed inference engine of its own
+    # beta > 0: the frozen reference copy is a DeepSpeed inference engine of its own. The resume launch runs in the
+    # full tier's ZeRO-2 case (the fast tier keeps one DeepSpeed launch; resume is the same code for both stages and
+    # is tested under ZeRO-3 by the SFT and Mix-GRPO scripts' full-tier tests)
     env = {"DS_ACCELERATOR": "cpu"}
     finish(grpo(cli(assets, tmp_path / "ds", **DDP), 2, config=zero, env=env))
     shards = os.listdir(tmp_path / "ds" / "checkpoint-2" / "training_state" / "pytorch_model")
     assert sorted(s for s in shards if "optim_states" in s) == [
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], shards  # DeepSpeed ran on 2 ranks
-    finish(grpo(cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "ds" / "checkpoint-1"),
-                    **DDP), 2, config=zero, env=env))
     ddp, ds = read_jsonl(ddp_run / "metrics.jsonl"), read_jsonl(tmp_path / "ds" / "metrics.jsonl")
-    resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
-    assert [m["step"] for m in ds] == [1, 2] and [m["step"] for m in resumed] == [2]
+    assert [m["step"] for m in ds] == [1, 2]
     assert_same_metrics(ddp, ds, keys=("reward", "reward_std", "loss", "completion_length", "grad_norm", "kl"))
     assert ds[-1]["grad_norm"] > 0 and ds[-1]["kl"] > 0  # the reference really scored (step 2: weights moved)
     # the HF copy names its weights as DDP's does (model.layers.*, not ZeRO-3's former model.model.layers.*); only
@@ -577,8 +576,13 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, ddp_run,
              "ds": set(load_file(str(tmp_path / "ds" / "checkpoint-2" / "model.safetensors")))}
     assert names["ds"] ^ names["ddp"] <= {"lm_head.weight"}, names["ds"] ^ names["ddp"]
     assert any(".layers." in n for n in names["ds"])
-    for key in ("reward", "loss", "completion_length"):
-        assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key
+    if zero == "zero2":
+        finish(grpo(cli(assets, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "ds" / "checkpoint-1"),
+                        **DDP), 2, config=zero, env=env))
+        resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+        assert [m["step"] for m in resumed] == [2]
+        for key in ("reward", "loss", "completion_length"):
+            assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.slow
