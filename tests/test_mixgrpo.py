@@ -644,6 +644,8 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, t
         assert any(t.abs().sum() > 0 for k, t in lora.items() if "lora_B" in k), part  # trained away from B = 0
     vlm = AutoModelForImageTextToText.from_pretrained(ckpt)
     assert all(p.numel() > 0 for p in vlm.parameters())
+    if zero == "zero2":
+        return  # resume is the same code for both stages: ZeRO-3 runs it here, ZeRO-2 in train_grpo's test
     # resume from checkpoint-1 (the next step reflects on the checkpointed buffer): steps 2 and 3 again
     finish(mixgrpo(cli(tiny, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "ds" / "checkpoint-1"),
                        **ds_args(tiny)), 2, config=zero))
