@@ -98,11 +98,12 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     rows = []
-    # split, not sliced: the backward of a split is one concatenation, a slice's writes into a zero tensor per piece
-    for pieces, q_row, k_row, v_row in zip(seg.rows, query.unbind(0), key.unbind(0), value.unbind(0)):
+    # split, not sliced: the backward of a split is one concatenation, a slice's writes into a zero tensor per piece;
+    # pieces stay 4-D ([1, heads, n, d]), the shape SDPA's fused CPU and CUDA kernels take
+    for pieces, q_row, k_row, v_row in zip(seg.rows, query.split(1), key.split(1), value.split(1)):
         sizes = [end - start for start, end, _, _ in pieces]
         tail = seg.width - sum(sizes)  # pieces are contiguous from column 0; the rest is row padding
-        qs, ks, vs = (t.split(sizes + [tail], dim=1) for t in (q_row, k_row, v_row))
+        qs, ks, vs = (t.split(sizes + [tail], dim=2) for t in (q_row, k_row, v_row))
         prefix_of = {}  # a prefix's start column -> its piece index
         outs = []
         for i, (start, end, p_start, p_end) in enumerate(pieces):
@@ -113,13 +114,13 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             else:  # a completion: its prefix, then itself
                 j = prefix_of[p_start]
                 mask = seg.mask(end - start, p_end - p_start, q_row.device)
-                out = F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 1), torch.cat([vs[j], vs[i]], 1),
+                out = F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 2), torch.cat([vs[j], vs[i]], 2),
                                                      attn_mask=mask, dropout_p=dropout, scale=scaling)
             outs.append(out)
         if tail:
-            outs.append(q_row.new_zeros(q_row.shape[0], tail, value.shape[-1]))
-        rows.append(torch.cat(outs, 1))
-    return torch.stack(rows).transpose(1, 2).contiguous(), None
+            outs.append(q_row.new_zeros(1, q_row.shape[1], tail, value.shape[-1]))
+        rows.append(torch.cat(outs, 2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
 
 
 # Registered under transformers' own name, so every sdpa model (policy, reference, under gradient checkpointing,
