@@ -18,11 +18,26 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
 from utils.flow.sde import ode_step, sde_std_t, sde_step_from_std
 from utils.models import adapters_disabled
 
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def to_pil(images, image_processor):
+    """PIL images, or a [B, 3, H, W] tensor in [0, 1] -> a list of PIL images (the pipelines' image input)."""
+    if torch.is_tensor(images):
+        return image_processor.numpy_to_pil(image_processor.pt_to_numpy(images.detach().float().cpu()))
+    return [images] if not isinstance(images, (list, tuple)) else list(images)
+
+
+def pipeline_schedule(scheduler, num_steps, device, sigmas, mu=None):
+    """(timesteps, sigmas) as a pipeline's own `retrieve_timesteps` call sets them (its sigmas, its mu)."""
+    kwargs = {} if mu is None else {"mu": mu}
+    timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, sigmas=sigmas, **kwargs)
+    return timesteps.clone(), scheduler.sigmas.to(device).clone()
 
 
 @dataclass
