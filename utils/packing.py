@@ -65,9 +65,10 @@ def resolve_padding_free(flag, model, notice=print):
 
 
 class Segments:
-    """The attention pattern of packed rows, for `segment_attention`: per row, (start, end, prefix_start,
-    prefix_end) column ranges, one per piece. A piece's queries see its unit's prefix (an empty range for the
-    prefix itself) and, causally, its own tokens. Columns after a row's last piece are row padding: zeros."""
+    """The attention pattern of packed rows, for `segment_attention`: per row, one (tokens, prefix) per piece, in
+    column order from column 0; `prefix` is the index in the row of the piece's unit prefix (None for the prefix
+    itself). A piece's queries see that prefix and, causally, its own tokens. Columns after a row's last piece are
+    row padding: zeros."""
 
     def __init__(self, rows, width):
         self.rows, self.width = rows, width
@@ -101,19 +102,16 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     # split, not sliced: the backward of a split is one concatenation, a slice's writes into a zero tensor per piece;
     # pieces stay 4-D ([1, heads, n, d]), the shape SDPA's fused CPU and CUDA kernels take
     for pieces, q_row, k_row, v_row in zip(seg.rows, query.split(1), key.split(1), value.split(1)):
-        sizes = [end - start for start, end, _, _ in pieces]
-        tail = seg.width - sum(sizes)  # pieces are contiguous from column 0; the rest is row padding
+        sizes = [n for n, _ in pieces]
+        tail = seg.width - sum(sizes)  # row padding
         qs, ks, vs = (t.split(sizes + [tail], dim=2) for t in (q_row, k_row, v_row))
-        prefix_of = {}  # a prefix's start column -> its piece index
         outs = []
-        for i, (start, end, p_start, p_end) in enumerate(pieces):
-            if p_start == p_end:  # a prefix: causal over itself
-                prefix_of[start] = i
+        for i, (n, j) in enumerate(pieces):
+            if j is None:  # a prefix: causal over itself
                 out = F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout, scale=scaling,
                                                      is_causal=True)
-            else:  # a completion: its prefix, then itself
-                j = prefix_of[p_start]
-                mask = seg.mask(end - start, p_end - p_start, q_row.device)
+            else:  # a completion: its prefix (piece j), then itself
+                mask = seg.mask(n, sizes[j], q_row.device)
                 out = F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 2), torch.cat([vs[j], vs[i]], 2),
                                                      attn_mask=mask, dropout_p=dropout, scale=scaling)
             outs.append(out)
@@ -169,12 +167,12 @@ class Packed:
         for r, row in enumerate(self.rows):
             col, segments_r = 0, []
             for u in row:
-                prefix = (col, col + pieces[u][0][1].shape[0])
+                prefix = len(segments_r)  # the unit's prefix comes first, and is never empty
                 for j, (kind, p_ids, p_pos, p_side) in enumerate(pieces[u]):
                     k = p_ids.shape[0]
                     self.start[(u, j)] = r * width + col
                     if k:
-                        segments_r.append((col, col + k) + ((col, col) if kind == -1 else prefix))
+                        segments_r.append((k, None if kind == -1 else prefix))
                     ids[r, col:col + k] = p_ids
                     if mrope:
                         pos[:, r, col:col + k] = p_pos if p_pos.dim() == 2 else p_pos.expand(3, -1)
