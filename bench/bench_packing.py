@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed passes per variant (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "flash_attention_2", "eager"),
+                   help="both variants' attention (flash_attention_2: CUDA with flash-attn installed)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
@@ -112,7 +114,7 @@ def worker(args):
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, processor = load_model_and_processor(model_path(args), dtype="bfloat16" if device.type == "cuda"
-                                                else "float32")
+                                                else "float32", attn_implementation=args.attn_implementation)
     model.to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -166,7 +168,8 @@ def run_variant(args, variant):
            "--workdir", args.workdir, "--max_len", str(args.max_len), "--prompts", str(args.prompts),
            "--num_generations", str(args.num_generations), "--hidden_size", str(args.hidden_size),
            "--num_hidden_layers", str(args.num_hidden_layers), "--repeats", str(args.repeats),
-           "--threads", str(args.threads), "--device", args.device, "--seed", str(args.seed)]
+           "--threads", str(args.threads), "--device", args.device, "--seed", str(args.seed),
+           "--attn_implementation", args.attn_implementation]
     cmd += ["--gradient_checkpointing"] * args.gradient_checkpointing + ["--profile"] * args.profile
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -120,6 +120,13 @@ fi
 #         tokens a prompt, completions log-normal in [16, 1024]): tokens/s and peak memory of each
 check bench_packing 60 "$PY" bench/bench_packing.py --device cuda --full --hidden_size 512 --num_hidden_layers 8 \
     --prompts 4 --num_generations 8 --workdir "$RESULTS/bench_packing" --json "$RESULTS/bench_packing.json"
+if "$PY" -c "import flash_attn" 2>/dev/null; then  # the packed pass's varlen path (one kernel call per layer)
+    check bench_packing_fa2 60 "$PY" bench/bench_packing.py --device cuda --full --hidden_size 512 \
+        --num_hidden_layers 8 --prompts 4 --num_generations 8 --attn_implementation flash_attention_2 \
+        --workdir "$RESULTS/bench_packing_fa2" --json "$RESULTS/bench_packing_fa2.json"
+else
+    log "SKIP bench_packing_fa2: flash_attn is not installed"
+fi
 
 # ---- 7. the HF rollout eager vs compiled (--cache_implementation static: static KV cache, CUDA graphs), tokens/s
 #         and compile time, tiny and larger tiny Qwen2.5-VL, B = 8 and 40 (bench/bench_compiled_rollout.py)

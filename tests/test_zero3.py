@@ -1,4 +1,5 @@
-"""ZeRO-3 on 2 CPU processes (torchrun + gloo): gathered generation and sharded log-probs are exact."""
+"""ZeRO-3 on 2 CPU processes (torchrun + gloo): gathered generation and sharded log-probs (padded and packed) are
+exact."""
 
 import json
 import os
@@ -28,4 +29,5 @@ def test_zero3_generation_and_logprobs_match_unsharded_model(tmp_path):
         assert r["full_numel"] > 800_000  # and gathered in full for generation
         assert r["same_ids"], r  # gathered generation samples the same tokens as the unsharded model
         assert r["max_logp_diff"] < 1e-5, r  # the LM head is gathered inside the wrapper's forward
+        assert r["max_packed_logp_diff"] < 1e-5, r  # the packed pass reads the gathered weights too
         assert r["moved"] > 1e-3, r  # a ZeRO-3 optimizer step changed the policy

@@ -47,6 +47,8 @@ local_numel = sum(p.numel() for p in engine.module.parameters())  # partitioned:
 with zero3_gathered(engine) as module:
     full_numel = sum(p.numel() for p in module.parameters())
     ids, mask = generate_completions(module.model, batch, **gen)
+padded_logps = engine(batch, ids, mask)
+engine.module.padding_free = True  # the packed pass (utils/packing.py) under gathered ZeRO-3 weights; it trains below
 logps = engine(batch, ids, mask)
 loss = -(logps * mask).sum() / mask.sum()
 engine.backward(loss)
@@ -55,7 +57,8 @@ with torch.no_grad():
     after = engine(batch, ids, mask)
 
 result = dict(rank=rank, same_ids=torch.equal(ids, expected_ids),
-              max_logp_diff=(logps.detach() - expected_logps).abs().max().item(),
+              max_logp_diff=(padded_logps.detach() - expected_logps).abs().max().item(),
+              max_packed_logp_diff=(logps.detach() - expected_logps).abs().max().item(),
               moved=(after - logps.detach()).abs().max().item(), local_numel=local_numel, full_numel=full_numel)
 with open(f"{out_path}.{rank}", "w") as f:
     json.dump(result, f)

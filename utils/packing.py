@@ -7,12 +7,15 @@ position ids restart per sequence (Qwen-VL's 3-row multimodal rope: the position
 padded batch, image tokens included). The hidden states that predict each completion token are gathered back to
 the padded [B, T] layout, so the LM head, the losses and the tests see exactly what the padded pass returns.
 
-Under sdpa the packed rows go to `segment_attention` (registered as transformers' "sdpa"; every call without
-packed segments is passed to transformers' own sdpa unchanged), which runs one SDPA per piece over only the keys the
-piece sees: its unit's prefix and its own earlier tokens. No dense row mask is built, and a unit's attention costs
-the sum of its pieces' pairs rather than the square of its length (the masked blocks are skipped). Eager attention
-takes an explicit additive 4-D mask instead. Attention kernels that take neither (flash_attention_2, flex) and
-families whose image tokens attend bidirectionally are refused with the reason (`packing_unsupported_reason`).
+Under sdpa the packed rows go to `segment_attention` (utils/packed_attention.py, registered as transformers' "sdpa";
+every call without packed segments is passed to transformers' own sdpa unchanged), which runs one SDPA per piece
+over only the keys the piece sees: its unit's prefix and its own earlier tokens. No dense row mask is built, and a
+unit's attention costs the sum of its pieces' pairs rather than the square of its length (the masked blocks are
+skipped). Under flash_attention_2 (CUDA, flash-attn installed) the same pieces go to flash-attention's varlen kernel
+in one call per layer (`packed_flash_attention`): each piece is a varlen sequence whose keys are its prefix's then
+its own. Eager attention takes an explicit additive 4-D mask instead. Other kernels (flex, hub kernels), families
+whose image tokens attend bidirectionally and sliding-window or linear-attention layers are refused with the reason
+(`packing_unsupported_reason`).
 Rows hold at most the longest unit's tokens (units are not split; shorter units share a row), and never more than
 MAX_PACKED_TOKENS unless one unit is longer.
 """
@@ -20,13 +23,15 @@ MAX_PACKED_TOKENS unless one unit is longer.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.modeling_flash_attention_utils import flash_attn_supports_top_left_mask
+
+from utils.packed_attention import Segments  # registers the packed attention functions
 
 # Tokens per packed row: eager's dense row mask grows as its square (256 MiB of fp32 at 8192).
 MAX_PACKED_TOKENS = 8192
-PACKED_ATTENTION = ("sdpa", "eager")
+PACKED_ATTENTION = ("sdpa", "flash_attention_2", "eager")
+# the implementations that read `packed_segments` (eager reads a dense mask)
+SEGMENT_ATTENTION = ("sdpa", "flash_attention_2")
 # Families whose image tokens attend to each other both ways (token_type_ids): a causal block mask is not theirs.
 BIDIRECTIONAL_IMAGE_FAMILIES = ("gemma3", "gemma3n", "paligemma")
 
@@ -43,11 +48,17 @@ def packing_unsupported_reason(model_or_config):
     if impl not in PACKED_ATTENTION:
         return (f"attention {impl!r} has no packed path; packing needs one of {', '.join(PACKED_ATTENTION)} "
                 "(--attn_implementation sdpa)")
+    if impl == "flash_attention_2" and flash_attn_supports_top_left_mask():
+        return ("this flash-attn aligns the causal mask top-left (before 2.1); a completion's queries need it "
+                "bottom-right, after its prompt's keys: upgrade flash-attn or use --attn_implementation sdpa")
     if config.model_type in BIDIRECTIONAL_IMAGE_FAMILIES:
         return f"{config.model_type}'s image tokens attend bidirectionally; the packed mask is causal"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if "sliding_attention" in (getattr(text, "layer_types", None) or ()) or getattr(text, "use_sliding_window", False):
         return f"{config.model_type} has sliding-window layers; the packed mask is a full causal one"
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        return (f"{config.model_type} has linear-attention layers, whose recurrence along a packed row would carry one "
+                "sequence's state into the next")
     return None
 
 
@@ -64,66 +75,6 @@ def resolve_padding_free(flag, model, notice=print):
     return reason is None if flag is None else flag
 
 
-class Segments:
-    """The attention pattern of packed rows, for `segment_attention`: per row, one (tokens, prefix) per piece, in
-    column order from column 0; `prefix` is the index in the row of the piece's unit prefix (None for the prefix
-    itself). A piece's queries see that prefix and, causally, its own tokens. Columns after a row's last piece are
-    row padding: zeros."""
-
-    def __init__(self, rows, width):
-        self.rows, self.width = rows, width
-        self._masks = {}
-
-    def mask(self, n, n_prefix, device):
-        """[n, n_prefix + n] booleans (True: attend): the whole prefix, then causal over the piece's own tokens."""
-        key = (n, n_prefix, device)
-        if key not in self._masks:
-            own = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            self._masks[key] = torch.cat([own.new_ones(n, n_prefix), own], 1)
-        return self._masks[key]
-
-
-def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_segments=None,
-                      **kwargs):
-    """transformers' sdpa attention, except for the causal layers of a packed pass (`packed_segments` given):
-    there, one SDPA per piece over the keys it sees. query [rows, heads, width, d] -> ([rows, width, heads, d], None).
-    Bidirectional layers (vision towers, which the same kwargs reach) take the plain path."""
-    if packed_segments is None or not getattr(module, "is_causal", True):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    seg = packed_segments
-    if query.shape[0] != len(seg.rows) or query.shape[2] != seg.width:
-        raise ValueError(f"padding_free: a causal layer got queries {tuple(query.shape)} for packed rows of "
-                         f"{len(seg.rows)} x {seg.width} tokens")
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    rows = []
-    # split, not sliced: the backward of a split is one concatenation, a slice's writes into a zero tensor per piece;
-    # pieces stay 4-D ([1, heads, n, d]), the shape SDPA's fused CPU and CUDA kernels take
-    for pieces, q_row, k_row, v_row in zip(seg.rows, query.split(1), key.split(1), value.split(1)):
-        sizes = [n for n, _ in pieces]
-        tail = seg.width - sum(sizes)  # row padding
-        qs, ks, vs = (t.split(sizes + [tail], dim=2) for t in (q_row, k_row, v_row))
-        outs = []
-        for i, (n, j) in enumerate(pieces):
-            if j is None:  # a prefix: causal over itself
-                out = F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout, scale=scaling,
-                                                     is_causal=True)
-            else:  # a completion: its prefix (piece j), then itself
-                mask = seg.mask(n, sizes[j], q_row.device)
-                out = F.scaled_dot_product_attention(qs[i], torch.cat([ks[j], ks[i]], 2), torch.cat([vs[j], vs[i]], 2),
-                                                     attn_mask=mask, dropout_p=dropout, scale=scaling)
-            outs.append(out)
-        if tail:
-            outs.append(q_row.new_zeros(1, q_row.shape[1], tail, value.shape[-1]))
-        rows.append(torch.cat(outs, 2))
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
-
-
-# Registered under transformers' own name, so every sdpa model (policy, reference, under gradient checkpointing,
-# whose recomputation re-reads the attention function) takes it; calls without packed segments are sdpa's.
-AttentionInterface.register("sdpa", segment_attention)
 
 
 def _is_prefix_mask(mask):
@@ -206,7 +157,7 @@ class Packed:
         """Hidden states [rows * width, H] of the packed rows through `base` (the HF model without its head)."""
         config = base.config
         inputs = dict(extra, **self.side)
-        if _attn_implementation(config) == "sdpa":
+        if _attn_implementation(config) in SEGMENT_ATTENTION:
             inputs["packed_segments"] = self.segments
         else:
             inputs["attention_mask"] = self.attention_mask()

@@ -116,4 +116,7 @@ def finish_run(accelerator, cfg, logger, uploader, summary, curves=()):
         write_summary(cfg.output_dir, summary)
         if uploader:
             uploader.wait()
+    # every process leaves together: a rank that tore its process group down while another still ran its main-process
+    # work above could abort at exit ("terminate called without an active exception", seen once under ZeRO-3)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
