@@ -30,4 +30,5 @@ def test_zero3_generation_and_logprobs_match_unsharded_model(tmp_path):
         assert r["same_ids"], r  # gathered generation samples the same tokens as the unsharded model
         assert r["max_logp_diff"] < 1e-5, r  # the LM head is gathered inside the wrapper's forward
         assert r["max_packed_logp_diff"] < 1e-5, r  # the packed pass reads the gathered weights too
+        assert r["grads"] > 50 and r["packed_grad_rel_diff"] < 1e-4, r  # and its gradients equal the padded pass's
         assert r["moved"] > 1e-3, r  # a ZeRO-3 optimizer step changed the policy

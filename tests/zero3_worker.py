@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from deepspeed.utils import safe_get_full_grad
 
 from tiny.shapes import make_shapes_vqa
 from utils.encoding import encode_prompts
@@ -47,18 +48,31 @@ local_numel = sum(p.numel() for p in engine.module.parameters())  # partitioned:
 with zero3_gathered(engine) as module:
     full_numel = sum(p.numel() for p in module.parameters())
     ids, mask = generate_completions(module.model, batch, **gen)
-padded_logps = engine(batch, ids, mask)
-engine.module.padding_free = True  # the packed pass (utils/packing.py) under gathered ZeRO-3 weights; it trains below
-logps = engine(batch, ids, mask)
-loss = -(logps * mask).sum() / mask.sum()
-engine.backward(loss)
+
+
+def logps_and_grads(padding_free):
+    """The sharded log-probs and the full gradients (gathered from the shards) of the mean completion NLL."""
+    engine.module.padding_free = padding_free  # packed: utils/packing.py under the gathered ZeRO-3 weights
+    logps = engine(batch, ids, mask)
+    engine.backward(-(logps * mask).sum() / mask.sum())
+    grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    return logps, grads
+
+
+padded_logps, padded_grads = logps_and_grads(False)
+engine.optimizer.zero_grad()
+logps, grads = logps_and_grads(True)  # this one trains
 engine.step()
+largest = max(g.abs().max() for g in padded_grads.values())
+grad_diff = max(((grads[n] - g).abs().max() / torch.maximum(g.abs().max(), 1e-4 * largest)).item()
+                for n, g in padded_grads.items())
 with torch.no_grad():
     after = engine(batch, ids, mask)
 
 result = dict(rank=rank, same_ids=torch.equal(ids, expected_ids),
               max_logp_diff=(padded_logps.detach() - expected_logps).abs().max().item(),
               max_packed_logp_diff=(logps.detach() - expected_logps).abs().max().item(),
+              packed_grad_rel_diff=grad_diff, grads=len(padded_grads),
               moved=(after - logps.detach()).abs().max().item(), local_numel=local_numel, full_numel=full_numel)
 with open(f"{out_path}.{rank}", "w") as f:
     json.dump(result, f)
