@@ -306,6 +306,14 @@ def test_sigkill_mid_run_then_restart_finishes_every_question_once(distill_world
     import yaml
 
     questions, rows, _ = distill_world
+    # the first 8 of the 16 questions (image paths made absolute): three runs of them, one request at a time
+    rows = rows[:8]
+    with open(questions) as f:
+        records = [json.loads(line) for line in f][:len(rows)]
+    questions = str(tmp_path / "questions.jsonl")
+    with open(questions, "w") as f:
+        for r in records:
+            f.write(json.dumps(dict(r, image=os.path.join(os.path.dirname(distill_world[0]), r["image"]))) + "\n")
     cfg = dict(dataset=questions, caption_column="caption", captioner=None, num_chains=2, temperature=0.0,
                max_new_tokens=64, max_concurrency=1, reasoner_base_url=reasoner_server.base_url,
                reasoner_model=reasoner_server.model_name)
