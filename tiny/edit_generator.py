@@ -7,8 +7,9 @@ the target is the edited scene's latents, the input scene's latents join the seq
 adapter's edit path joins them (`QwenImageGenerator.encode_condition(..., images=...)`), and the text is
 "prompt\\ninstruction", what train_mixgrpo's refine stage hands the edit generator (`image_condition`), read by
 the same frozen encoder with the input image. A share of rows is trained on the negative prompt (with the image:
-text CFG's branch) and a share without the image (image CFG's branch). The loop, the encodings and the sampler
-are tiny/generator.py's.
+text CFG's branch) and a share without the image (image CFG's branch). By default the transformer modulates the
+input image's tokens at timestep 0 (diffusers' zero_cond_t, saved in its config): it learns to copy them faster.
+The loop, the encodings and the sampler are tiny/generator.py's.
 
 `python -m tiny.edit_generator --output_dir DIR` builds one (`tiny.cache.tiny_edit_generator_path()`: the
 default, cached); `evaluate_edit_generator` measures held-out edit success (the detector finds exactly the edited
