@@ -80,9 +80,9 @@ class TinyEditGeneratorConfig:
     negative_prompt: str = " "  # the adapter's default negative prompt, the text branch of CFG
 
     # Flow matching (the generator's loop, tiny.generator.fit_transformer)
-    # held-out edit success 0.25 of 256 rows with zero_cond_t (identity 0.20); of the first 128: 0.26, 1000 steps
-    # 0.09 (without zero_cond_t 0.17 and 0.07): docs/results/2026-12-04-tiny-edit-generator-variants.md
-    steps: int = 3000
+    # held-out edit success 0.28 of 256 rows with zero_cond_t, kept 0.77 (identity 0.20); 3000 steps 0.25, kept 0.66
+    # (without zero_cond_t 0.19, 0.55): docs/results/2026-12-04-tiny-edit-generator-variants.md
+    steps: int = 5000
     batch_size: int = 32
     learning_rate: float = 3e-3  # AdamW (0.9, 0.99), linear warm-up, cosine to 0, grad clip 1 (1e-3: 0.04)
     warmup_steps: int = 30
@@ -96,7 +96,7 @@ class TinyEditGeneratorConfig:
     copy_share: float = 0.0  # share of each batch's rows swapped for a random "no change" row
     copy_steps: int = 0  # the first copy_steps steps train on "no change" rows alone (a copy-first curriculum)
     # the input image's tokens modulated at timestep 0 (as clean latents) while the noise tokens get the step's
-    # timestep: the transformer's zero_cond_t (Qwen-Image-Edit-2511's), saved in its config. Off: 0.17 at 3000 steps
+    # timestep: the transformer's zero_cond_t (Qwen-Image-Edit-2511's), saved in its config
     zero_cond_t: bool = True
     log_every: int = 50
 
