@@ -39,8 +39,11 @@ def main(argv=None):
     parser.add_argument("--path", default=None, help="an edit generator folder (default: the cached default build)")
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--guidance_scale", type=float, default=EVAL_GUIDANCE["guidance_scale"])
     parser.add_argument("--image_scale", type=float, default=EVAL_GUIDANCE["image_scale"])
     parser.add_argument("--num_steps", type=int, default=EVAL_GUIDANCE["num_steps"])
+    parser.add_argument("--untrained", action=argparse.BooleanOptionalAction, default=True,
+                        help="also edit with the transformer the build started from (--no-untrained: skip it)")
     parser.add_argument("--grid", default=None, help="write a grid PNG of the first --grid_rows rows here")
     parser.add_argument("--grid_rows", type=int, default=10)
     parser.add_argument("--json", default=None, help="write the tables here")
@@ -50,7 +53,8 @@ def main(argv=None):
 
         args.path = tiny_edit_generator_path()
     out = evaluate_edit_generator(args.path, n=args.n, seed=args.seed, image_scale=args.image_scale,
-                                  num_steps=args.num_steps)
+                                  guidance_scale=args.guidance_scale, num_steps=args.num_steps,
+                                  untrained=args.untrained)
     print(table_markdown(out["tables"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -137,3 +137,58 @@ def test_cached_build_is_keyed_by_the_generator_it_starts_from(tmp_path, monkeyp
     assert cache.tiny_edit_generator_path(steps=3) != first and len(calls) == 2
     with pytest.raises(ValueError, match="--cfg_dropout"):
         cache.tiny_edit_generator_path(image_dropout=0.95)
+
+
+def test_pick_rows_swaps_in_no_change_rows():
+    """copy_steps: the first steps train on "no change" rows alone; copy_share: a share of the later rows; neither
+    set: the batch as drawn, and nothing drawn from the generator (a default build's batches stay as they were)."""
+    from tiny.edit_generator import pick_rows
+
+    idx, copy_rows = torch.arange(100, 164), torch.tensor([0, 5, 10])
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    assert torch.equal(pick_rows(idx, g, 0, copy_rows, TinyEditGeneratorConfig()), idx)
+    assert torch.equal(g.get_state(), state)
+    first = TinyEditGeneratorConfig(copy_steps=10)
+    assert set(pick_rows(idx, g, 9, copy_rows, first).tolist()) <= {0, 5, 10}
+    assert torch.equal(pick_rows(idx, g, 10, copy_rows, first), idx)
+    mixed = pick_rows(idx, g, 0, copy_rows, TinyEditGeneratorConfig(copy_share=0.5))
+    swapped = (mixed < 100).sum().item()
+    assert 16 <= swapped <= 48 and torch.equal(mixed[mixed >= 100], idx[mixed >= 100])
+
+
+def test_later_config_fields_leave_the_first_builds_cache_keys_alone():
+    """A config with the first builds' values keys as those builds did (no copy_share, copy_steps, zero_cond_t)."""
+    first = TinyEditGeneratorConfig(zero_cond_t=False, steps=1000).spec()
+    assert not {"copy_share", "copy_steps", "zero_cond_t"} & set(first)
+    assert TinyEditGeneratorConfig(steps=1000, copy_steps=5).spec() == first | dict(zero_cond_t=True, copy_steps=5)
+    with pytest.raises(ValueError, match="--copy_share"):
+        TinyEditGeneratorConfig(copy_share=1.5)
+
+
+def test_zero_cond_t_modulates_the_input_image_tokens_alone(built, triples, tmp_path):
+    """zero_cond_t changes what the input image's tokens see (timestep 0), not a row without them, and survives
+    the save."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from tiny.edit_generator import set_zero_cond_t
+
+    gen = load_generator(built[0], SIZE)
+    data = encode_edit_rows(gen, triples[:2], SIZE)
+    embeds, mask = data["pos"][0][None], None
+    x, t = torch.randn(data["target"][:1].shape, generator=torch.Generator().manual_seed(0)), torch.tensor([700.0])
+
+    def velocities():
+        with torch.no_grad():
+            edit = gen.condition_from_embeds(embeds, mask, height=SIZE, width=SIZE, image_latents=data["source"][:1])
+            plain = gen.condition_from_embeds(embeds, mask, height=SIZE, width=SIZE)
+            return gen.velocity(x, t, edit), gen.velocity(x, t, plain)
+
+    before = velocities()
+    set_zero_cond_t(gen.transformer)
+    after = velocities()
+    assert not torch.allclose(before[0], after[0], atol=1e-4)
+    torch.testing.assert_close(before[1], after[1], atol=1e-6, rtol=0)
+    gen.transformer.save_pretrained(tmp_path)
+    loaded = QwenImageTransformer2DModel.from_pretrained(tmp_path)
+    assert loaded.config.zero_cond_t and all(b.zero_cond_t for b in loaded.transformer_blocks)

@@ -7,8 +7,9 @@ the target is the edited scene's latents, the input scene's latents join the seq
 adapter's edit path joins them (`QwenImageGenerator.encode_condition(..., images=...)`), and the text is
 "prompt\\ninstruction", what train_mixgrpo's refine stage hands the edit generator (`image_condition`), read by
 the same frozen encoder with the input image. A share of rows is trained on the negative prompt (with the image:
-text CFG's branch) and a share without the image (image CFG's branch). The loop, the encodings and the sampler
-are tiny/generator.py's.
+text CFG's branch) and a share without the image (image CFG's branch). By default the transformer modulates the
+input image's tokens at timestep 0 (diffusers' zero_cond_t, saved in its config): it learns to copy them faster.
+The loop, the encodings and the sampler are tiny/generator.py's.
 
 `python -m tiny.edit_generator --output_dir DIR` builds one (`tiny.cache.tiny_edit_generator_path()`: the
 default, cached); `evaluate_edit_generator` measures held-out edit success (the detector finds exactly the edited
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 from functools import partial
+from itertools import count
 
 import numpy as np
 import torch
@@ -101,6 +103,27 @@ def edit_loss(gen, data, idx, g, cfg):
     return total / len(idx)
 
 
+def pick_rows(idx, g, step, copy_rows, cfg):
+    """The rows a step trains on: idx, each row swapped for a random "no change" row (copy_rows: their indices)
+    with probability cfg.copy_share, or every row while step < cfg.copy_steps (a copy-first curriculum). Draws
+    nothing from g when neither is set, so a build without them sees the batches it always did."""
+    first = step < cfg.copy_steps
+    if not len(copy_rows) or not (first or cfg.copy_share > 0):
+        return idx
+    swap = torch.ones(len(idx), dtype=torch.bool) if first else torch.rand(len(idx), generator=g) < cfg.copy_share
+    return torch.where(swap, copy_rows[torch.randint(0, len(copy_rows), (len(idx),), generator=g)], idx)
+
+
+def set_zero_cond_t(transformer, on=True):
+    """Modulate the input image's tokens at timestep 0 (diffusers' zero_cond_t, no new weights): set on the model,
+    its blocks and its config, so that the saved folder loads with it."""
+    transformer.register_to_config(zero_cond_t=on)
+    transformer.zero_cond_t = on
+    for block in transformer.transformer_blocks:
+        block.zero_cond_t = on
+    return transformer
+
+
 def build_tiny_edit_generator(cfg: TinyEditGeneratorConfig, log=_log) -> str:
     """Encode the edit triples, train the transformer, save the QwenImageEditPipeline folder (plus SUMMARY).
     Returns cfg.output_dir."""
@@ -115,13 +138,20 @@ def build_tiny_edit_generator(cfg: TinyEditGeneratorConfig, log=_log) -> str:
         if not cfg.warm_start:
             torch.manual_seed(cfg.seed + 1)
             gen.transformer.load_state_dict(type(gen.transformer).from_config(gen.transformer.config).state_dict())
+        if cfg.zero_cond_t:
+            set_zero_cond_t(gen.transformer)
         with _timed(stages, "render"):
             rows = edit_triples(cfg.train_rows, seed=cfg.seed, image_size=cfg.image_size)
         with _timed(stages, "encode"):
             data = encode_edit_rows(gen, rows, cfg.image_size, cfg.negative_prompt)
         gen.transformer.requires_grad_(True)
+        copy_rows, step = torch.tensor([i for i, r in enumerate(rows) if r["kind"] == "none"]), count()
+
+        def batch_loss(idx, g):
+            return edit_loss(gen, data, pick_rows(idx, g, next(step), copy_rows, cfg), g, cfg)
+
         with _timed(stages, "flow"):
-            history = fit_transformer(gen, len(rows), partial(edit_loss, gen, data, cfg=cfg), cfg, log)
+            history = fit_transformer(gen, len(rows), batch_loss, cfg, log)
         gen.transformer.requires_grad_(False)
         pipe = QwenImageEditPipeline(scheduler=gen.scheduler, vae=gen.vae, text_encoder=gen.text_encoder,
                                      tokenizer=gen.t2i.tokenizer, processor=gen.edit.processor,
