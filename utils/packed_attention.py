@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 
 
 class Segments:
-    """The attention pattern of packed rows, for `segment_attention`: per row, one (tokens, prefix) per piece, in
+    """The attention pattern of packed rows, for the functions below: per row, one (tokens, prefix) per piece, in
     column order from column 0; `prefix` is the index in the row of the piece's unit prefix (None for the prefix
     itself). A piece's queries see that prefix and, causally, its own tokens. Columns after a row's last piece are
     row padding: zeros."""
@@ -27,6 +27,12 @@ class Segments:
     def __init__(self, rows, width):
         self.rows, self.width = rows, width
         self._masks, self._varlen = {}, {}
+
+    def check(self, query):
+        """A causal layer's queries [rows, heads, width, d] must be these rows'."""
+        if query.shape[0] != len(self.rows) or query.shape[2] != self.width:
+            raise ValueError(f"padding_free: a causal layer got queries {tuple(query.shape)} for packed rows of "
+                             f"{len(self.rows)} x {self.width} tokens")
 
     def mask(self, n, n_prefix, device):
         """[n, n_prefix + n] booleans (True: attend): the whole prefix, then causal over the piece's own tokens."""
@@ -65,9 +71,7 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     seg = packed_segments
-    if query.shape[0] != len(seg.rows) or query.shape[2] != seg.width:
-        raise ValueError(f"padding_free: a causal layer got queries {tuple(query.shape)} for packed rows of "
-                         f"{len(seg.rows)} x {seg.width} tokens")
+    seg.check(query)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -103,10 +107,8 @@ def packed_flash_attention(module, query, key, value, attention_mask, dropout=0.
         return flash_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                        **kwargs)
     seg = packed_segments
+    seg.check(query)
     rows, heads, width, _ = query.shape
-    if rows != len(seg.rows) or width != seg.width:
-        raise ValueError(f"padding_free: a causal layer got queries {tuple(query.shape)} for packed rows of "
-                         f"{len(seg.rows)} x {seg.width} tokens")
     q_index, k_index, cu_q, cu_k, max_q, max_k = seg.varlen(query.device)
 
     def tokens(t, index):  # [rows, h, width, d] -> [1, h, len(index), d]

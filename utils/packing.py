@@ -54,9 +54,10 @@ def packing_unsupported_reason(model_or_config):
     if config.model_type in BIDIRECTIONAL_IMAGE_FAMILIES:
         return f"{config.model_type}'s image tokens attend bidirectionally; the packed mask is causal"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if "sliding_attention" in (getattr(text, "layer_types", None) or ()) or getattr(text, "use_sliding_window", False):
+    layer_types = getattr(text, "layer_types", None) or ()
+    if "sliding_attention" in layer_types or getattr(text, "use_sliding_window", False):
         return f"{config.model_type} has sliding-window layers; the packed mask is a full causal one"
-    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+    if "linear_attention" in layer_types:
         return (f"{config.model_type} has linear-attention layers, whose recurrence along a packed row would carry one "
                 "sequence's state into the next")
     return None
