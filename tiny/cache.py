@@ -7,7 +7,8 @@ and `tiny-reasoner` (the OpenVLThinker cycle's base VLM and text reasoner, tiny/
 Mix-GRPO warm start), `tiny-reflector` (tiny-planner also taught to reflect) and the data sets `synthetic:shapes`,
 `synthetic:video` (tiny/video_shapes.py), `synthetic:edits` and `synthetic:reflect` (tiny/edits.py) resolve here;
 `tiny_generator_path()` and `tiny_edit_generator_path()` build the tiny Qwen-Image generator and its edit sibling;
-anything else is passed through untouched.
+anything else is passed through untouched. The builds that train for minutes are shipped in tiny/weights/
+(tiny/shipped.py): where the code still gives a shipped folder's name, it is copied instead of trained.
 
 Over 400 lines on purpose: every tiny build's name, cache key and builder in one place, because the keys chain (the
 reflector's holds the planner's and tiny-sft's specs, the edit generator's the generator's folder) and are read
@@ -71,8 +72,10 @@ def _key(spec):
 def cached(name, spec, build):
     """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename; a failed
     build leaves nothing behind)."""
+    from tiny import shipped
+
     path = os.path.join(CACHE_DIR, f"{name}-{_key(spec)}")
-    if os.path.isdir(path):
+    if os.path.isdir(path) or shipped.install(os.path.basename(path), path):
         return path
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -170,10 +173,13 @@ def resolve_dataset(name):
 
 
 def _trained(name, recipe, spec, args=()):
-    """train_sft.py's `recipe` (plus `args`), run once in its own process and reused while the recipe and `spec`
-    stay the same; returns the run's last checkpoint."""
+    """train_sft.py's `recipe` (plus `args`, or a function returning them: the model and data it starts from, built
+    only when this trains), run once in its own process and reused while the recipe and `spec` stay the same (or
+    copied from tiny/weights/ where that build is shipped); returns the run's last checkpoint."""
     import subprocess
     import sys
+
+    from tiny import shipped
 
     with open(recipe) as f:
         spec = {"recipe": f.read(), **spec}
@@ -185,6 +191,12 @@ def _trained(name, recipe, spec, args=()):
         if os.path.isdir(path):
             return path
     out = os.path.join(CACHE_DIR, f"{name}-{key}")
+    installed = shipped.install_trained(os.path.basename(out), out)
+    if installed:
+        with open(marker, "w") as f:
+            json.dump({"checkpoint": installed[0], "heldout_accuracy": installed[1]}, f)
+        return installed[0]
+    args = args() if callable(args) else args
     print(f"{name}: training with train_sft.py into {out} (once; cached afterwards)", flush=True)
     subprocess.run([sys.executable, os.path.join(REPO, "train_sft.py"), "--config", recipe, "--output_dir", out,
                     *args], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
@@ -207,8 +219,8 @@ def tiny_video_sft_path():
     """The warm start of the tiny video task: tiny-sft (which has learnt to see the shapes and to answer in the
     CRYSTAL format) after a short SFT on the video clips (recipes/stages/tiny_video_sft.yaml)."""
     spec = {"tiny-sft": _tiny_sft_spec(), "video": _video_spec()}
-    return _trained("tiny-video-sft", TINY_VIDEO_SFT_RECIPE, spec, ["--model_name_or_path", tiny_sft_path(),
-                                                                     "--dataset_name", video_dataset_path()])
+    return _trained("tiny-video-sft", TINY_VIDEO_SFT_RECIPE, spec, lambda: [
+        "--model_name_or_path", tiny_sft_path(), "--dataset_name", video_dataset_path()])
 
 
 def _source(*objects):
@@ -254,9 +266,9 @@ def tiny_base_path():
 
     spec = {"model": TINY_VLM, "data": SHAPES_SPLITS,
             "rows": _source(cycle.caption_rows, cycle.scene_caption, cycle._objects, cycle.CAPTION_PROMPT)}
-    data = _sharegpt_folder("captions", spec, cycle.caption_rows)
-    return _trained("tiny-base", TINY_BASE_RECIPE, spec, ["--model_name_or_path", tiny_vlm_path(),
-                                                           "--dataset_name", data])
+    return _trained("tiny-base", TINY_BASE_RECIPE, spec, lambda: [
+        "--model_name_or_path", tiny_vlm_path(),
+        "--dataset_name", _sharegpt_folder("captions", spec, cycle.caption_rows)])
 
 
 def tiny_reasoner_path():
@@ -267,9 +279,9 @@ def tiny_reasoner_path():
     spec = {"model": TINY_LLM, "data": SHAPES_SPLITS,
             "rows": _source(cycle.reasoner_rows, cycle.reasoner_chain, cycle._counted, cycle.scene_caption,
                             cycle._objects, cycle.REASONER_PROMPT, cycle.REFLECTIONS)}
-    data = _sharegpt_folder("reasoner-chains", spec, cycle.reasoner_rows)
-    return _trained("tiny-reasoner", TINY_REASONER_RECIPE, spec, ["--model_name_or_path", tiny_llm_path(),
-                                                                   "--dataset_name", data])
+    return _trained("tiny-reasoner", TINY_REASONER_RECIPE, spec, lambda: [
+        "--model_name_or_path", tiny_llm_path(),
+        "--dataset_name", _sharegpt_folder("reasoner-chains", spec, cycle.reasoner_rows)])
 
 
 def tiny_t2i_prompts(n, seed):
@@ -304,10 +316,10 @@ def tiny_planner_path():
     from tiny.models import make_tiny_vlm
 
     spec = _planner_spec()
-    data = cached("plans", spec, lambda out: save_sharegpt(_plan_rows(PLANNER_ROWS["n"]), out))
-    base = cached("tiny-planner-vlm", TINY_PLANNER_VLM, lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM))
-    return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, ["--model_name_or_path", base,
-                                                                 "--dataset_name", data])
+    return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, lambda: [
+        "--model_name_or_path", cached("tiny-planner-vlm", TINY_PLANNER_VLM,
+                                       lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM)),
+        "--dataset_name", cached("plans", spec, lambda out: save_sharegpt(_plan_rows(PLANNER_ROWS["n"]), out))])
 
 
 def tiny_reflector_path():
@@ -318,11 +330,11 @@ def tiny_reflector_path():
 
     spec = {"tiny-planner": _planner_spec(), "eye": _tiny_sft_spec(), "reflect": REFLECT_SPLITS["train"],
             "plans": REFLECTOR_PLAN_ROWS, "source": _edits_source() + _source(reflector_sft_rows, with_eye)}
-    data = cached("reflector-rows", spec, lambda out: save_sharegpt(reflector_sft_rows(
-        reflector_rows(**REFLECT_SPLITS["train"]), _plan_rows(REFLECTOR_PLAN_ROWS)), out))
-    start = cached("planner-eye", spec, lambda out: with_eye(tiny_planner_path(), tiny_sft_path(), out))
-    return _trained("tiny-reflector", TINY_REFLECTOR_RECIPE, spec, ["--model_name_or_path", start,
-                                                                     "--dataset_name", data])
+    return _trained("tiny-reflector", TINY_REFLECTOR_RECIPE, spec, lambda: [
+        "--model_name_or_path", cached("planner-eye", spec,
+                                       lambda out: with_eye(tiny_planner_path(), tiny_sft_path(), out)),
+        "--dataset_name", cached("reflector-rows", spec, lambda out: save_sharegpt(reflector_sft_rows(
+            reflector_rows(**REFLECT_SPLITS["train"]), _plan_rows(REFLECTOR_PLAN_ROWS)), out))])
 
 
 SYNTHETIC_DATASETS = {TINY_DATASET: shapes_dataset_path, TINY_VIDEO_DATASET: video_dataset_path,
@@ -348,7 +360,8 @@ def _text_encoder_spec(name):
     if name == TINY_MODEL:
         return {"tiny": TINY_VLM}
     if name == TINY_PLANNER_MODEL:  # the plan rows' source is part of it: a changed plan format rebuilds
-        return {"tiny-planner": tiny_planner_path()}
+        # its folder inside the cache, not the cache's own path: the key is the same wherever the cache lives
+        return {"tiny-planner": os.path.relpath(tiny_planner_path(), CACHE_DIR)}
     return {"path": os.path.abspath(name)}
 
 

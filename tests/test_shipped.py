@@ -1,0 +1,106 @@
+"""The tiny models shipped in tiny/weights/: every one is what the current code would build (so a first run copies
+it instead of training), the copy is atomic and can be turned off, a changed byte is found, and (full tier) the
+cheap builds retrain to the same bytes."""
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tiny.cache as cache
+from tiny import shipped
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError(
+        f"a shipped tiny build was trained instead of copied ({args[0] if args else kwargs}): the code no longer "
+        "gives tiny/weights/'s folder names; rebuild them with `python -m tiny.shipped save --only <names>`")
+
+
+def test_every_shipped_build_is_the_one_the_code_builds(tmp_path, monkeypatch):
+    """In an empty cache each builder copies its shipped folder and trains nothing: a changed recipe, config or row
+    builder (a new cache key) fails here, not on a user's first run."""
+    monkeypatch.setattr(cache, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", _no_training)
+    assert sorted(os.listdir(shipped.WEIGHTS_DIR)) == sorted(
+        os.path.basename(shipped.shipped_folder(name)) for name in shipped.BUILDERS)  # one folder per build
+    for name, builder in shipped.BUILDERS.items():
+        path = getattr(cache, builder)()
+        top = os.path.relpath(path, tmp_path).split(os.sep)[0]
+        assert top == os.path.basename(shipped.shipped_folder(name)), name
+        assert shipped.compare(shipped.shipped_folder(name), os.path.join(tmp_path, top)) == [], name
+    # the trained builds' markers point into this cache, at a folder from_pretrained loads
+    for marker in [f for f in os.listdir(tmp_path) if f.endswith(".json")]:
+        with open(tmp_path / marker) as f:
+            checkpoint = json.load(f)["checkpoint"]
+        assert checkpoint.startswith(str(tmp_path)) and os.path.isfile(os.path.join(checkpoint, "config.json"))
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_shipped_folders_hold_models_only():
+    """No resume state or logs are shipped (they are not the model, and logs hold wall times)."""
+    for folder, dirs, files in os.walk(shipped.WEIGHTS_DIR):
+        assert not set(dirs + files) & shipped.LEFT_OUT, folder
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(shipped.WEIGHTS_DIR) for f in fs)
+    assert total < 64 * 2**20, total
+
+
+def test_install_is_atomic_and_can_be_turned_off(tmp_path, monkeypatch):
+    weights = tmp_path / "weights"
+    (weights / "tiny-x-0123456789" / "checkpoint-5").mkdir(parents=True)
+    (weights / "tiny-x-0123456789" / "checkpoint-5" / "model.safetensors").write_bytes(b"abc")
+    (weights / "tiny-x-0123456789" / shipped.MARKER).write_text(
+        json.dumps({"checkpoint": "checkpoint-5", "heldout_accuracy": 0.5}))
+    monkeypatch.setattr(shipped, "WEIGHTS_DIR", str(weights))
+    out = tmp_path / "cache" / "tiny-x-0123456789"
+    monkeypatch.setenv("MMGRPO_TINY_SHIPPED", "0")
+    assert shipped.install_trained("tiny-x-0123456789", str(out)) is None and not out.exists()
+    monkeypatch.delenv("MMGRPO_TINY_SHIPPED")
+    assert shipped.install_trained("tiny-y-0123456789", str(out)) is None  # nothing shipped under that name
+    assert shipped.install_trained("tiny-x-0123456789", str(out)) == (str(out / "checkpoint-5"), 0.5)
+    assert (out / "checkpoint-5" / "model.safetensors").read_bytes() == b"abc"
+    assert not (out / shipped.MARKER).exists() and os.listdir(out.parent) == ["tiny-x-0123456789"]
+
+
+def test_compare_finds_a_changed_or_missing_file(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "w.safetensors").write_bytes(b"\x00\x01")
+        (folder / "config.json").write_text("{}")
+    (a / "tiny_generator.json").write_text('{"timings": 1}')  # wall times: shipped, never compared
+    (b / "tiny_generator.json").write_text('{"timings": 2}')
+    assert shipped.compare(a, b) == []
+    (b / "sub" / "w.safetensors").write_bytes(b"\x00\x02")
+    os.remove(b / "config.json")
+    assert sorted(shipped.compare(a, b)) == ["config.json", os.path.join("sub", "w.safetensors")]
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_the_cheap_builds_retrain_to_the_shipped_bytes(tmp_path):
+    """tiny-sft and tiny-reasoner (about 2 + 2 CPU minutes) retrained in an empty cache equal their shipped
+    folders byte for byte; the others are checked by the same command (`python -m tiny.shipped verify`, about 80
+    CPU minutes), run when they are saved."""
+    result = subprocess.run([sys.executable, "-m", "tiny.shipped", "verify", "--only", "tiny-sft", "tiny-reasoner",
+                             "--cache_dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2/2 builds reproduce" in result.stdout
+    sft = shipped.shipped_folder("tiny-sft")
+    assert filecmp.cmp(os.path.join(sft, "checkpoint-200", "model.safetensors"),
+                       tmp_path / "cache" / os.path.basename(sft) / "checkpoint-200" / "model.safetensors",
+                       shallow=False)
+
+
+@pytest.mark.build
+def test_every_shipped_build_retrains_to_its_bytes(tmp_path):
+    """All eight shipped builds retrained in an empty cache (about 80 CPU minutes): `make test-build` only."""
+    result = subprocess.run([sys.executable, "-m", "tiny.shipped", "verify", "--cache_dir", str(tmp_path / "cache")],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"{len(shipped.BUILDERS)}/{len(shipped.BUILDERS)} builds reproduce" in result.stdout
