@@ -104,3 +104,16 @@ def test_every_shipped_build_retrains_to_its_bytes(tmp_path):
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"{len(shipped.BUILDERS)}/{len(shipped.BUILDERS)} builds reproduce" in result.stdout
+
+
+def test_a_config_differing_only_in_how_its_start_was_loaded_is_the_same(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, origin in ((a, "outputs/tiny-cache/g/transformer"), (b, "/tmp/other/g/transformer")):
+        (folder / "transformer").mkdir(parents=True)
+        (folder / "transformer" / "config.json").write_text(json.dumps({"_name_or_path": origin, "num_layers": 2}))
+    assert shipped.compare(a, b) == []
+    (a / "tokenizer_config.json").write_text(json.dumps({"local_files_only": False, "model_max_length": 8}))
+    (b / "tokenizer_config.json").write_text(json.dumps({"local_files_only": True, "model_max_length": 8}))
+    assert shipped.compare(a, b) == []  # built with the hub offline (HF_HUB_OFFLINE=1, as the tests run)
+    (b / "transformer" / "config.json").write_text(json.dumps({"_name_or_path": "x", "num_layers": 3}))
+    assert shipped.compare(a, b) == [os.path.join("transformer", "config.json")]

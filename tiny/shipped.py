@@ -142,9 +142,30 @@ def compare(shipped, rebuilt):
             if file in NOT_COMPARED:
                 continue
             other = os.path.join(rebuilt, rel)
-            if not os.path.exists(other) or not filecmp.cmp(os.path.join(folder, file), other, shallow=False):
+            if not os.path.exists(other) or not (filecmp.cmp(os.path.join(folder, file), other, shallow=False)
+                                                 or _same_config(os.path.join(folder, file), other)):
                 bad.append(rel)
     return bad
+
+
+# keys of a saved config that say how the build loaded what it started from, not what the model is: the folder
+# (diffusers writes it into the edit generator's configs) and whether the hub was offline (the tokenizer's config)
+LOAD_KEYS = ("_name_or_path", "local_files_only")
+
+
+def _same_config(a, b):
+    """Two JSON configs equal but for LOAD_KEYS."""
+    if not a.endswith(".json"):
+        return False
+    configs = []
+    for path in (a, b):
+        with open(path) as f:
+            config = json.load(f)
+        if isinstance(config, dict):
+            for key in LOAD_KEYS:
+                config.pop(key, None)
+        configs.append(config)
+    return configs[0] == configs[1]
 
 
 def verify(names, cache_dir):
