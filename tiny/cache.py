@@ -183,7 +183,7 @@ def _trained(name, recipe, spec, args=()):
 
     with open(recipe) as f:
         spec = {"recipe": f.read(), **spec}
-    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    key = _key(spec)
     marker = os.path.join(CACHE_DIR, f"{name}-{key}.json")
     if os.path.exists(marker):
         with open(marker) as f:

@@ -100,9 +100,9 @@ def save(names, cache_dir):
     """Build `names` in `cache_dir` (reusing what is there) and write their shipped folders."""
     for name, (path, seconds) in _build(names, cache_dir).items():
         top, checkpoint = _build_folder(path, cache_dir)
-        for old in os.listdir(WEIGHTS_DIR) if os.path.isdir(WEIGHTS_DIR) else []:
-            if old.rsplit("-", 1)[0] == name:
-                shutil.rmtree(os.path.join(WEIGHTS_DIR, old))
+        old = shipped_folder(name)
+        if old:
+            shutil.rmtree(old)
         dst = os.path.join(WEIGHTS_DIR, top)
         if checkpoint:
             _copy_model(path, os.path.join(dst, checkpoint))
