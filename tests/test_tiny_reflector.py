@@ -7,8 +7,16 @@ import json
 
 import pytest
 
-from tiny.edits import FLAWS, reflector_rows
-from tiny.reflector import reflection_outcome, reflection_scores, reflector_sft_rows
+from tiny.edits import FLAWS, cell_name, reflector_rows
+from tiny.reflector import (
+    DESCRIBE_PROMPT,
+    describe_rows,
+    reflection_outcome,
+    reflection_scores,
+    reflector_sft_rows,
+    seen_outcome,
+    seen_scores,
+)
 from utils.r3_format import NO_EDIT
 
 SIZE = 32
@@ -55,6 +63,37 @@ def test_a_wrong_or_unreadable_edit_does_not_fix_the_draft(rows):
     # without a think block the format is 0 and the image is kept, as the reflect stage reads it
     assert reflection_outcome("add a red circle", missing, image_size=SIZE) == dict(format=0.0, kept=True,
                                                                                     fixed=False)
+
+
+def test_describe_rows_say_what_the_draft_shows_and_score_full_marks(rows):
+    described = describe_rows(rows)
+    assert [r["images"] for r in described] == [r["images"] for r in rows]
+    assert all(r["messages"][0]["content"] == "<image>" + DESCRIBE_PROMPT for r in described)
+    answers = [r["messages"][1]["content"] for r in described]
+    assert all(_answer(r).startswith("<think>" + a + ";") for r, a in zip(rows, answers))  # the reflection's start
+    assert seen_scores(answers, rows) == dict(seen_count=1.0, seen_colors=1.0, seen_objects=1.0)
+    assert seen_scores([_answer(r) for r in rows], rows)["seen_objects"] == 1.0
+
+
+def test_seen_outcome_tells_count_colours_and_objects_apart(rows):
+    row = next(r for r in rows if len(json.loads(r["draft"])) >= 2)
+    objects = sorted(json.loads(row["draft"]), key=lambda o: o["cell"])
+
+    def said(changed):
+        return "I see " + ", ".join(f"{o['color']} {o['shape']} {cell_name(o['cell'])}" for o in changed)
+
+    assert seen_outcome(said(objects), row) == dict(count=True, colors=True, objects=True)
+    first = objects[0]
+    other = "green" if first["color"] != "green" else "red"
+    assert seen_outcome(said([{**first, "color": other}] + objects[1:]), row) == dict(count=True, colors=False,
+                                                                                      objects=False)
+    free = next(c for c in range(9) if all(o["cell"] != c for o in objects))
+    assert seen_outcome(said([{**first, "cell": free}] + objects[1:]), row) == dict(count=True, colors=True,
+                                                                                    objects=False)
+    assert seen_outcome(said(objects[1:]), row)["count"] is False
+    assert seen_outcome("I see nothing", row) == dict(count=False, colors=False, objects=False)
+    # only the part before the first ";" counts: what is wrong is not what is seen
+    assert seen_outcome(said(objects) + f"; a {other} circle bottom right is missing", row)["objects"] is True
 
 
 def test_reflector_sft_rows_replay_planner_rows_among_the_reflect_rows():

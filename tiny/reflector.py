@@ -7,10 +7,15 @@ needed" for a draft that already is the render. Used by bench/tiny_reflector_rep
 """
 
 import json
+import re
+from collections import Counter
 
 import torch
 
-from tiny.edits import FLAWS, apply_edit, parse_instruction, scene_key
+from tiny.edits import FLAWS, apply_edit, cell_name, parse_instruction, plan_of, scene_key
+
+DESCRIBE_PROMPT = "Describe the image: every object, its colour and where it is."
+SEEN = re.compile(r"(\w+) (circle|square|triangle) (top|middle|bottom) (left|center|right)")
 
 
 def with_eye(model_dir: str, eye_dir: str, out_dir: str) -> str:
@@ -43,6 +48,35 @@ def reflector_sft_rows(reflect_rows, plan_rows) -> list[dict]:
     return mixed + plans[len(reflect):]
 
 
+def describe_rows(reflect_rows) -> list[dict]:
+    """sharegpt rows that teach the eye what the reflector must see first: each reflector row's draft under
+    DESCRIBE_PROMPT -> "I see <plan of the draft>", the first half of its reflection."""
+    rows = []
+    for r in reflect_rows:
+        draft = json.loads(r["draft"])
+        seen = f"I see {plan_of(draft)}" if draft else "I see nothing"
+        rows.append(dict(id=r["id"].replace("reflect", "describe", 1), images=r["images"],
+                         messages=[{"role": "user", "content": "<image>" + DESCRIBE_PROMPT},
+                                   {"role": "assistant", "content": seen}]))
+    return rows
+
+
+def seen_outcome(text: str, row: dict) -> dict:
+    """What the "I see ..." part of a reflection (or a description) gets right about the draft it was shown: the
+    number of objects, their colours as a multiset, and every object (colour, shape, cell)."""
+    said = text.split("</think>")[0].split(";")[0]
+    seen = [(c, s, f"{v} {h}") for c, s, v, h in SEEN.findall(said)]
+    draft = [(o["color"], o["shape"], cell_name(o["cell"])) for o in json.loads(row["draft"])]
+    return dict(count=len(seen) == len(draft), colors=Counter(c for c, _, _ in seen) == Counter(c for c, _, _ in draft),
+                objects=Counter(seen) == Counter(draft))
+
+
+def seen_scores(texts, rows) -> dict:
+    """Shares over the rows of `seen_outcome`'s three checks."""
+    outcomes = [seen_outcome(t, r) for t, r in zip(texts, rows)]
+    return {f"seen_{k}": sum(o[k] for o in outcomes) / len(outcomes) for k in ("count", "colors", "objects")}
+
+
 def reflection_outcome(text: str, row: dict, *, image_size: int) -> dict:
     """{format, kept, fixed} of one reflection on a reflector row (tiny.edits.reflector_rows): `format` as the
     reflect stage's reward reads it, `kept` when it asks for no edit, `fixed` when the draft ends as the target."""
@@ -60,9 +94,9 @@ def reflection_outcome(text: str, row: dict, *, image_size: int) -> dict:
 
 
 @torch.no_grad()
-def reflections(model, processor, rows, *, max_new_tokens=72, batch=32) -> list[str]:
+def reflections(model, processor, rows, *, max_new_tokens=72, batch=32, describe=False) -> list[str]:
     """The reflection a VLM writes greedily for each reflector row: its draft image under train_mixgrpo's reflect
-    prompt, as the reflect stage asks it."""
+    prompt, as the reflect stage asks it (`describe`: under DESCRIBE_PROMPT instead)."""
     from utils.encoding import encode_prompts
     from utils.r3_format import REFLECT_PROMPT, user_message
     from utils.rollout import generate_completions, stop_token_ids
@@ -71,7 +105,8 @@ def reflections(model, processor, rows, *, max_new_tokens=72, batch=32) -> list[
     stops, texts = stop_token_ids(model, tok), []
     for i in range(0, len(rows), batch):
         chunk = rows[i:i + batch]
-        enc = encode_prompts(processor, [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in chunk],
+        prompts = [DESCRIBE_PROMPT if describe else REFLECT_PROMPT.format(prompt=r["prompt"]) for r in chunk]
+        enc = encode_prompts(processor, [user_message(p, True) for p in prompts],
                              [[r["images"][0]] for r in chunk], sample_ids=[r["id"] for r in chunk])
         ids, mask = generate_completions(model, enc, row_seeds=torch.arange(len(chunk)), temperature=0.0,
                                          max_new_tokens=max_new_tokens, eos_token_id=stops,
