@@ -35,6 +35,14 @@ from tiny.reflector import (  # noqa: E402
 )
 
 
+def once(path, build):
+    """`build(tmp)` into path + ".tmp", then renamed to `path`; skipped when `path` exists. Returns `path`."""
+    if not os.path.isdir(path):
+        build(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def sft(out, model, data, steps, threads, lr=None):
     from utils.checkpoint import latest_checkpoint
 
@@ -115,30 +123,21 @@ def main():
     if not args.out:
         parser.error("--out is required (or --probe)")
     os.makedirs(args.out, exist_ok=True)
-    start = os.path.join(args.out, "planner-eye")
-    if not os.path.isdir(start):
-        with_eye(cache.tiny_planner_path(), cache.tiny_sft_path(), start + ".tmp")
-        os.replace(start + ".tmp", start)
+    start = once(os.path.join(args.out, "planner-eye"),
+                 lambda out: with_eye(cache.tiny_planner_path(), cache.tiny_sft_path(), out))
     held_out = reflector_rows(**cache.REFLECT_SPLITS["test"])
     result = {"args": vars(args)}
     if args.describe_steps > 0:
-        data = os.path.join(args.out, "describe-rows")
-        if not os.path.isdir(data):
-            rows = reflector_rows(args.describe_rows, seed=args.describe_seed, image_size=32)
-            cache.save_sharegpt(describe_rows(rows), data + ".tmp")
-            os.replace(data + ".tmp", data)
+        data = once(os.path.join(args.out, "describe-rows"), lambda out: cache.save_sharegpt(describe_rows(
+            reflector_rows(args.describe_rows, seed=args.describe_seed, image_size=32)), out))
         start = sft(os.path.join(args.out, "describe"), args.describe_from or start, data, args.describe_steps,
                     args.threads, args.describe_lr)
         _, result["describe"] = score(start, held_out, describe=True)
         print("after the describe SFT:", result["describe"], flush=True)
     if args.reflect_steps == 0:
         return
-    data = os.path.join(args.out, "reflector-rows")
-    if not os.path.isdir(data):
-        rows = reflector_sft_rows(reflector_rows(**cache.REFLECT_SPLITS["train"]),
-                                  cache._plan_rows(cache.REFLECTOR_PLAN_ROWS))
-        cache.save_sharegpt(rows, data + ".tmp")
-        os.replace(data + ".tmp", data)
+    data = once(os.path.join(args.out, "reflector-rows"), lambda out: cache.save_sharegpt(reflector_sft_rows(
+        reflector_rows(**cache.REFLECT_SPLITS["train"]), cache._plan_rows(cache.REFLECTOR_PLAN_ROWS)), out))
     final = sft(os.path.join(args.out, "reflect"), start, data, args.reflect_steps, args.threads, args.reflect_lr)
     texts, result["reflection_seen"] = score(final, held_out, describe=False)
     result["reflection"] = reflection_scores(texts, held_out, image_size=32)

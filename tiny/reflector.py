@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from tiny.edits import FLAWS, apply_edit, cell_name, parse_instruction, plan_of, scene_key
+from tiny.edits import FLAWS, apply_edit, cell_name, parse_instruction, scene_key
 
 DESCRIBE_PROMPT = "Describe the image: every object, its colour and where it is."
 SEEN = re.compile(r"(\w+) (circle|square|triangle) (top|middle|bottom) (left|center|right)")
@@ -50,22 +50,22 @@ def reflector_sft_rows(reflect_rows, plan_rows) -> list[dict]:
 
 def describe_rows(reflect_rows) -> list[dict]:
     """sharegpt rows that teach the eye what the reflector must see first: each reflector row's draft under
-    DESCRIBE_PROMPT -> "I see <plan of the draft>", the first half of its reflection."""
-    rows = []
-    for r in reflect_rows:
-        draft = json.loads(r["draft"])
-        seen = f"I see {plan_of(draft)}" if draft else "I see nothing"
-        rows.append(dict(id=r["id"].replace("reflect", "describe", 1), images=r["images"],
-                         messages=[{"role": "user", "content": "<image>" + DESCRIBE_PROMPT},
-                                   {"role": "assistant", "content": seen}]))
-    return rows
+    DESCRIBE_PROMPT -> the first half of its reflection, "I see <plan of the draft>" (tiny.edits.reflection_text)."""
+    return [dict(id=r["id"].replace("reflect", "describe", 1), images=r["images"],
+                 messages=[{"role": "user", "content": "<image>" + DESCRIBE_PROMPT},
+                           {"role": "assistant", "content": _seen_part(r["messages"][1]["content"])}])
+            for r in reflect_rows]
+
+
+def _seen_part(text: str) -> str:
+    """The "I see ..." part of a reflection (or the whole of a description): up to the first ";"."""
+    return text.split("</think>")[0].removeprefix("<think>").split(";")[0]
 
 
 def seen_outcome(text: str, row: dict) -> dict:
     """What the "I see ..." part of a reflection (or a description) gets right about the draft it was shown: the
     number of objects, their colours as a multiset, and every object (colour, shape, cell)."""
-    said = text.split("</think>")[0].split(";")[0]
-    seen = [(c, s, f"{v} {h}") for c, s, v, h in SEEN.findall(said)]
+    seen = [(c, s, f"{v} {h}") for c, s, v, h in SEEN.findall(_seen_part(text))]
     draft = [(o["color"], o["shape"], cell_name(o["cell"])) for o in json.loads(row["draft"])]
     return dict(count=len(seen) == len(draft), colors=Counter(c for c, _, _ in seen) == Counter(c for c, _, _ in draft),
                 objects=Counter(seen) == Counter(draft))
