@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -74,13 +74,15 @@ REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
 class MixGRPOConfig:
     # models
     model_name_or_path: str = field(default=TINY, metadata={
-        "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws"})
+        "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws "
+                "(tiny-reflector, which also reflects, when --reflect_refine is on)"})
     generator_name_or_path: str = field(default=TINY, metadata={
         "help": "a pipeline folder or hub name: Qwen-Image (+ Edit, Edit Plus), Qwen-Image 2.1, SD3/3.5, FLUX.1, "
                 "FLUX.2 Klein; 'tiny': the pre-trained tiny Qwen-Image (tiny/generator.py)"})
     edit_generator_name_or_path: Optional[str] = field(default=None, metadata={
         "help": "the refine stage's generator (a Qwen-Image-Edit or Edit Plus folder or hub name, beside a Qwen-Image "
-                "generator), with its own LoRA; none: the reason stage's generator refines too"})
+                "generator), with its own LoRA; none: the reason stage's generator refines too; 'tiny': the tiny "
+                "generator taught to edit (tiny/edit_generator.py)"})
     generator_kwargs: dict = field(default_factory=dict, metadata={
         "help": "JSON options of the generator's adapter (utils/flow/adapters.py), e.g. FLUX.2 Klein's "
                 "{\"text_encoder_out_layers\": [9, 18, 27]}"})
@@ -190,6 +192,7 @@ class MixGRPOConfig:
     eval_num_timesteps: int = 30  # flow steps of the evaluation images
     eval_images_per_prompt: int = 1  # images per held-out prompt, each from its own noise (GenEval's protocol: 4)
     eval_refine_rounds: int = 1  # held-out reflect + refine rounds per image, each stops at "no further edit" (R3: 4)
+    eval_batch_size: int = 16  # held-out images drawn and refined in one batch (a row's images go together)
     eval_steps: int = 0  # evaluate every N steps (0: only before and after training)
     eval_before: bool = True  # also evaluate the starting policy
 
@@ -218,6 +221,8 @@ def validate(cfg, num_processes):
         raise ConfigError(f"--cfg_interval {cfg.cfg_interval}: expected [lo, hi] with 0 <= lo < hi <= 1")
     if cfg.eval_refine_rounds < 1:
         raise ConfigError(f"--eval_refine_rounds {cfg.eval_refine_rounds} must be >= 1")
+    if cfg.eval_batch_size < 1:
+        raise ConfigError(f"--eval_batch_size {cfg.eval_batch_size} must be >= 1")
     if cfg.eval_images_per_prompt < 1:
         raise ConfigError(f"--eval_images_per_prompt {cfg.eval_images_per_prompt} must be >= 1")
     if not (cfg.tune_text_cot or cfg.tune_image_cot):
@@ -483,7 +488,8 @@ def main(cfg: MixGRPOConfig):
     total = prompts_per_step * G
 
     # ---- data and reward (checked before any model is loaded) ----
-    vlm_path, gen_path, train_path, val_path = resolve_tiny_t2i(cfg, accelerator)
+    vlm_path, gen_path, edit_path, train_path, val_path = resolve_tiny_t2i(cfg, accelerator)
+    cfg = replace(cfg, edit_generator_name_or_path=edit_path)  # 'tiny' -> its folder, for what reads it
     train_rows = load_prompts(cfg, train_path)
     val_rows = load_prompts(cfg, val_path) if val_path else None
     if val_rows is not None and cfg.eval_samples:

@@ -82,7 +82,7 @@ def main():
                          **({"model_name_or_path": args.model_name_or_path} if args.model_name_or_path else {}))
         from accelerate import Accelerator
 
-        vlm_path, gen_path, _, val_path = resolve_tiny_t2i(cfg, Accelerator(cpu=True))
+        vlm_path, gen_path, _, _, val_path = resolve_tiny_t2i(cfg, Accelerator(cpu=True))
         rows = load_prompts(cfg, val_path)[: args.eval_samples]
         key = (vlm_path, gen_path, cfg.generator_lora_r, val_path)
         if key not in before_cache:

@@ -106,6 +106,7 @@ def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std()
     (dict(generator_lora_r=-1), 4, "--generator_lora_r -1 must be >= 0"),
     (dict(edit_generator_name_or_path="edit", reflect_refine=False), 4, "--reflect_refine is off"),
     (dict(cfg_img_scale_edit=0.5), 4, "--cfg_img_scale_edit 0.5"),
+    (dict(eval_batch_size=0), 4, "--eval_batch_size 0 must be >= 1"),
     (dict(sde_window_size=20), 4, "--sde_window_size 20 must lie in"),
     (dict(sde_window_size=4, sde_window_shift_interval=0), 4, "--sde_window_shift_interval"),
 ])
@@ -119,6 +120,32 @@ def test_the_tiny_generator_refuses_to_read_the_policys_states(conditioning):
     # pre-trained on its own encoder's states, before anything is built or loaded
     with pytest.raises(ValueError, match=f"use --conditioning generator, not {conditioning}"):
         resolve_tiny_t2i(MixGRPOConfig(conditioning=conditioning), accelerator=None)
+
+
+def test_the_tiny_edit_generator_edits_for_the_tiny_generator_only():
+    with pytest.raises(ValueError, match="--edit_generator_name_or_path tiny edits for --generator_name_or_path tiny"):
+        resolve_tiny_t2i(MixGRPOConfig(conditioning="generator", generator_name_or_path="some/folder",
+                                       edit_generator_name_or_path="tiny"), accelerator=None)
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_tiny_names_resolve_to_the_planner_or_the_reflector_and_the_edit_generator(refine, monkeypatch):
+    import contextlib
+    import types
+
+    from tiny import cache
+
+    one_process = types.SimpleNamespace(main_process_first=contextlib.nullcontext)  # no accelerate state left behind
+
+    built = {"tiny-planner": "/p", "tiny-reflector": "/r"}
+    monkeypatch.setattr(cache, "TINY_MODELS", {k: (lambda v=v: v) for k, v in built.items()})
+    monkeypatch.setattr(cache, "tiny_generator_path", lambda: "/g")
+    monkeypatch.setattr(cache, "tiny_edit_generator_path", lambda: "/e")
+    monkeypatch.setattr(cache, "tiny_t2i_prompts", lambda n, seed: f"/prompts-{seed}")
+    cfg = MixGRPOConfig(conditioning="generator", reflect_refine=refine,
+                        edit_generator_name_or_path="tiny" if refine else None)
+    assert resolve_tiny_t2i(cfg, one_process) == (
+        "/r" if refine else "/p", "/g", "/e" if refine else None, "/prompts-0", "/prompts-1")
 
 
 def test_reward_endpoints_rank_mod_n_and_the_geneval_server_is_not_sent_to_v1(monkeypatch):
@@ -574,6 +601,11 @@ def test_heldout_images_per_prompt_each_draw_new_noise(tiny, tmp_path):
     n = len(tiny["rows"])
     singles = [evaluate(tiny, replace(cfg, seed=cfg.seed + j * n), str(tmp_path / f"one{j}.png")) for j in range(3)]
     three = evaluate(tiny, replace(cfg, eval_images_per_prompt=3), str(tmp_path / "three.png"))
+    # the same images whether a batch holds one row's images or every row's (--eval_batch_size)
+    assert n <= 16 // 3  # the default batch holds every row's images; this one a row's
+    assert evaluate(tiny, replace(cfg, eval_images_per_prompt=3, eval_batch_size=3),
+                    str(tmp_path / "batched.png")) == three
+    assert (tmp_path / "batched.png").read_bytes() == (tmp_path / "three.png").read_bytes()
     assert three["samples"] == 3 * n and all(r["samples"] == n for r in singles)
     for key in ("reward", "strict", "detected", "requested"):
         assert three[key] == pytest.approx(sum(r[key] for r in singles) / 3, abs=1e-9), key

@@ -332,7 +332,7 @@ def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, 
     cfg = replace(parts["cfg"], reflect_refine=True, eval_refine_rounds=3, eval_num_timesteps=3)
     real, calls = mixgrpo_eval.greedy_texts, []
 
-    def scripted(cfg, messages, images, idx, *a, **kw):  # row 0 edits every round, row 1 stops after round 1
+    def scripted(cfg, messages, images, idx, *a, **kw):  # row 0 edits every round, row 1 stops in round 2
         out = real(cfg, messages, images, idx, *a, **kw)
         if not any(images):
             return out
@@ -345,13 +345,30 @@ def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, 
                                 accelerator=tiny["accelerator"], stop_ids=parts["stop"],
                                 suppress_ids=parts["suppress"], reward_fn=tm.build_image_reward(cfg),
                                 grid_path=str(tmp_path / "grid.png"))
-    assert len(calls) == 3 and result["refine_no_edit"] == 0.5  # row 1 stopped, row 0 edited all three rounds
+    assert result["refine_no_edit"] == 0.5  # row 1 stopped, row 0 edited all three rounds
+    assert calls == [[0, 1], [0, 1], [0]]  # row 1 stops in round 2 and is not reflected on again
     for n in (1, 2, 3):
         assert result[f"round{n}_improved"] + result[f"round{n}_worse"] + result[f"round{n}_same"] == 1.0
     assert result["round3_reward"] == result["refine_reward"]
+    assert result["refine_improved"] + result["refine_worse"] <= 1.0  # first draft -> last round
     assert result["round2_same"] >= 0.5 and result["round3_same"] >= 0.5  # the stopped row's image is kept
     assert set(k for k in result if k.startswith("tag_")) == {"tag_counting", "tag_color"}
     assert (result["tag_counting"] + result["tag_color"]) / 2 == pytest.approx(result["reward"])
+
+
+def test_refine_change_counts_perfect_drafts_made_worse_among_perfect_drafts_only():
+    from utils.mixgrpo_eval import heldout_lines, refine_change, scored_mean
+
+    pairs = ((1.0, 1.0), (1.0, 0.5), (0.5, 1.0), (0.5, 0.25), (0.5, 0.5), (float("nan"), 1.0))
+    changes = [refine_change(a, b) for a, b in pairs]
+    assert scored_mean([c["refine_perfect_worse"] for c in changes]) == 0.5  # 1 of the 2 perfect drafts
+    assert scored_mean([c["refine_improved"] for c in changes]) == 0.2  # 1 of the 5 scored
+    assert scored_mean([c["refine_worse"] for c in changes]) == 0.4
+    result = dict(reward=0.5, refine_reward=0.6, refine_no_edit=0.3, round1_reward=0.55, round2_reward=0.6,
+                  **{k: scored_mean([c[k] for c in changes]) for k in changes[0]})
+    lines = heldout_lines(dict(result, round1_reward=0.4), result, "2 prompts")
+    assert "by round 0.4000 0.6000" in lines[2] and "by round 0.5500 0.6000" in lines[3]
+    assert "perfect drafts made worse 0.500" in lines[3]
 
 
 def test_unscored_reason_images_go_to_the_imperfect_pool():

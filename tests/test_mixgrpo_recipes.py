@@ -44,3 +44,8 @@ def test_the_tiny_recipe_is_the_default_and_validates_on_one_process():
     assert (cfg.model_name_or_path, cfg.generator_name_or_path, cfg.dataset_name, cfg.reward_fn) == \
         ("tiny", "tiny", "shapes_t2i", "shapes_t2i")
     assert cfg.reward_kwargs == {"key": "score", "behaviour": "tiny"}
+    assert cfg.reflect_refine and cfg.edit_generator_name_or_path == "tiny" and cfg.eval_refine_rounds == 4  # R3's
+    reason_only = parse_config(tm.MixGRPOConfig, ["--config", tm.TINY_MIXGRPO_RECIPE, "--reflect_refine", "false",
+                                                  "--edit_generator_name_or_path", "none"])  # as the recipe says
+    tm.validate(reason_only, 1)
+    assert not reason_only.reflect_refine and reason_only.edit_generator_name_or_path is None

@@ -129,6 +129,7 @@ def test_the_checkpoints_generation_config_does_not_reshape_the_rollout(setup):
         model.generation_config.repetition_penalty = 50.0
         model.generation_config.no_repeat_ngram_size = 1
         model.generation_config.min_new_tokens = 7
+        model.generation_config.min_length = 40
         reshaped_ids, reshaped_mask = generate_completions(model, full, **kwargs)
         model.generation_config = saved.__class__(**saved.to_dict())
         plain_ids, plain_mask = generate_completions(model, full, **kwargs)

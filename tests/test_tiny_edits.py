@@ -189,6 +189,23 @@ def test_reflector_rows_load_and_encode_through_the_sft_loader(reflections, tmp_
     assert (batch["input_ids"] == pad).sum(1).tolist() == [9, 0, 9, 0]
 
 
+def test_the_tiny_mixgrpo_recipe_leaves_room_for_every_reflection(tmp_path):
+    # a reflection cut at max_output_token_n_edit has no instruction: its format scores 0 and nothing is refined
+    import yaml
+    from transformers import AutoTokenizer
+
+    from tiny.cache import REFLECT_SPLITS, TINY_PLANNER_VLM
+    from tiny.models import make_tiny_vlm
+    from train_mixgrpo import TINY_MIXGRPO_RECIPE
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_vlm(str(tmp_path / "vlm"), **TINY_PLANNER_VLM))
+    with open(TINY_MIXGRPO_RECIPE) as f:
+        budget = yaml.safe_load(f)["max_output_token_n_edit"]
+    longest = max(len(tokenizer(r["messages"][1]["content"])["input_ids"])
+                  for r in reflector_rows(**REFLECT_SPLITS["train"]))
+    assert longest + 1 <= budget  # and the end-of-turn token
+
+
 def test_synthetic_edits_and_reflect_build_once_per_spec(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny.cache, "CACHE_DIR", str(tmp_path))
     for name in ("EDIT_SPLITS", "REFLECT_SPLITS"):

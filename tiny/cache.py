@@ -425,19 +425,28 @@ def resolve_tiny(cfg, accelerator):
 
 
 def resolve_tiny_t2i(cfg, accelerator):
-    """Mix-GRPO's (VLM path, generator path, train prompts, held-out prompts), building the tiny pieces on the main
-    process first: 'tiny' is the pre-trained tiny Qwen-Image generator (tiny/generator.py) and the VLM it was
-    trained to read (tiny-planner); 'tiny' prompt files are synthetic shapes_t2i prompts."""
+    """Mix-GRPO's (VLM path, generator path, edit generator path or None, train prompts, held-out prompts), building
+    the tiny pieces on the main process first: 'tiny' is the pre-trained tiny Qwen-Image generator (tiny/generator.py)
+    and the VLM that reads for it: tiny-planner, or tiny-reflector (tiny-planner also taught R3's reflect step) when
+    --reflect_refine is on; the 'tiny' edit generator is tiny-edit-generator; 'tiny' prompt files are synthetic
+    shapes_t2i prompts."""
     from utils.config import ConfigError
 
-    if cfg.generator_name_or_path == TINY_MODEL and cfg.conditioning != "generator":
-        # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
-        raise ConfigError(f"--generator_name_or_path tiny reads its own text encoder (the untrained tiny VLM): "
-                          f"use --conditioning generator, not {cfg.conditioning}")
+    for flag in ("generator_name_or_path", "edit_generator_name_or_path"):
+        if getattr(cfg, flag) == TINY_MODEL and cfg.conditioning != "generator":
+            # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw
+            raise ConfigError(f"--{flag} tiny reads its own text encoder (the untrained tiny VLM): "
+                              f"use --conditioning generator, not {cfg.conditioning}")
+    if cfg.edit_generator_name_or_path == TINY_MODEL and cfg.generator_name_or_path != TINY_MODEL:
+        raise ConfigError("--edit_generator_name_or_path tiny edits for --generator_name_or_path tiny "
+                          f"(it reads that generator's encoder), not {cfg.generator_name_or_path}")
     with accelerator.main_process_first():
         gen = tiny_generator_path() if cfg.generator_name_or_path == TINY_MODEL else cfg.generator_name_or_path
-        vlm = resolve_tiny_name(TINY_PLANNER_MODEL if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path)
+        edit = cfg.edit_generator_name_or_path
+        edit = tiny_edit_generator_path() if edit == TINY_MODEL else edit
+        tiny_vlm = TINY_REFLECTOR_MODEL if cfg.reflect_refine else TINY_PLANNER_MODEL
+        vlm = resolve_tiny_name(tiny_vlm if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path)
         paths = []
         for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
             paths.append(tiny_t2i_prompts(n, seed) if value == TINY_MODEL else value)
-    return vlm, gen, paths[0], paths[1]
+    return vlm, gen, edit, paths[0], paths[1]

@@ -36,17 +36,17 @@ def scored_mean(values):
     return sum(kept) / len(kept) if kept else float("nan")
 
 
-def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_offset=0, **generate):
-    """Held-out reflect + refine of the reason images: greedy reflection on each image, then an ODE refine with
-    --eval_num_timesteps from noise seeded by the row (+ `noise_offset`: another image of the row); "no further
-    edit needed" keeps the image. Returns (reflections, refined images, no-edit flags)."""
+def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_ids, **generate):
+    """Held-out reflect + refine of the reason images: greedy reflection on each image (of held-out row `idx[k]`),
+    then an ODE refine with --eval_num_timesteps from noise seeded by `noise_ids[k]` (the image and the round);
+    "no further edit needed" keeps the image. Returns (reflections, refined images, no-edit flags)."""
     messages = [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in batch_rows]
     texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
                          accelerator=accelerator, **generate)
     parsed = [reflection_of(t) for t in texts]
     cond = image_condition(cfg, gen, batch_rows, [instruction for _, instruction, _ in parsed], images)
     noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
-        device=accelerator.device).manual_seed(cfg.seed + 7919 + i + noise_offset)) for i in idx])
+        device=accelerator.device).manual_seed(cfg.seed + 7919 + n)) for n in noise_ids])
     out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
                  guidance=edit_guidance(cfg), shift=cfg.timestep_shift,
                  latents=noise, output_type="pil")
@@ -61,7 +61,8 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     row, each from its own noise (row i's image j from seed + i + j x rows), scored by --reward_fn; rows are shared
     out over the processes. Writes a grid PNG of the first 64 images (rows first). Returns the means over all
     images of reward and format. With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward`
-    (the refined image's score), `refine_no_edit` (the share kept as drawn) and a second grid (`*_refine.png`)."""
+    (the refined image's score), `refine_no_edit` (the share kept as drawn), `refine_change`'s shares and a second
+    grid (`*_refine.png`)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(rows), world))
     results = []
@@ -69,46 +70,59 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     shapes = cfg.dataset_name == "shapes_t2i"
     was_training = policy.training
     policy.eval()
-    for start in range(0, len(mine), 16):
-        idx = mine[start:start + 16]
+    per_batch = max(1, cfg.eval_batch_size // cfg.eval_images_per_prompt)  # rows whose images fill a batch
+    for start in range(0, len(mine), per_batch):
+        idx = mine[start:start + per_batch]
         batch_rows = [rows[i] for i in idx]
         texts = greedy_texts(cfg, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in batch_rows],
                              [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator, **generate)
         parsed = [reasoning_of(t) for t in texts]
         cond = image_condition(cfg, gen, batch_rows, [reasoning for _, reasoning in parsed])
-        for copy in range(cfg.eval_images_per_prompt):  # one greedy reasoning per row, several images of it
-            offset = copy * len(rows)
-            noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
-                device=accelerator.device).manual_seed(cfg.seed + i + offset)) for i in idx])
-            out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
-                         guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
-                         shift=cfg.timestep_shift, latents=noise, output_type="pil")
-            scores = score_images(cfg, reward_fn, texts, out.images, batch_rows).tolist()  # NaN: unscored
-            details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, batch_rows)]
-            for d, r in zip(details, batch_rows):
-                d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
-            refined = [None] * len(idx)
-            if cfg.reflect_refine:
-                images, new_scores, stopped = list(out.images), list(scores), [False] * len(idx)
-                for n in range(1, cfg.eval_refine_rounds + 1):  # R3: rounds until "no further edit"
-                    prev = new_scores
+        # every image of these rows in one batch (one greedy reasoning per row, several images of it): item m is
+        # image `copy` of row k, its noise seeded by its global index i + copy x rows as ever
+        items = [(copy, k) for copy in range(cfg.eval_images_per_prompt) for k in range(len(idx))]
+        ids = [idx[k] + copy * len(rows) for copy, k in items]
+        item_rows, item_texts = [batch_rows[k] for _, k in items], [texts[k] for _, k in items]
+        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
+            device=accelerator.device).manual_seed(cfg.seed + i)) for i in ids])
+        out = sample(gen, cond.select(torch.tensor([k for _, k in items])), num_steps=cfg.eval_num_timesteps,
+                     guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+                     shift=cfg.timestep_shift, latents=noise, output_type="pil")
+        scores = score_images(cfg, reward_fn, item_texts, out.images, item_rows).tolist()  # NaN: unscored
+        details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, item_rows)]
+        for d, r in zip(details, item_rows):
+            d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
+        refined = [None] * len(items)
+        if cfg.reflect_refine:
+            images, new_scores, stopped = list(out.images), list(scores), [False] * len(items)
+            for n in range(1, cfg.eval_refine_rounds + 1):  # R3: rounds until "no further edit"
+                prev, new_scores = new_scores, list(new_scores)
+                active = [m for m, stop in enumerate(stopped) if not stop]  # a stopped image is done
+                if active:
                     reflections, candidates, no_edit = refine_heldout(
-                        cfg, batch_rows, idx, images, edit_gen or gen, accelerator,
-                        noise_offset=offset + (n - 1) * 104729, **generate)  # each round its own noise
-                    stopped = [a or b for a, b in zip(stopped, no_edit)]
-                    images = [im if stop else new for im, new, stop in zip(images, candidates, stopped)]
-                    new_scores = score_images(cfg, reward_fn, reflections, images, batch_rows).tolist()
-                    if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
-                        for d, a, b in zip(details, prev, new_scores):
-                            d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
-                                      f"round{n}_worse": float(b < a), f"round{n}_same": float(b == a)})
-                refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im)
-                           for s, k, im in zip(new_scores, stopped, images)]
-                if shapes:
-                    for d, r, im in zip(details, batch_rows, images):
-                        d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
-            results += [(i + offset, s, f, im, d, ref) for i, s, (f, _), im, d, ref in zip(
-                idx, scores, parsed, out.images, details, refined)]
+                        cfg, [item_rows[m] for m in active], [idx[items[m][1]] for m in active],
+                        [images[m] for m in active], edit_gen or gen, accelerator,
+                        noise_ids=[ids[m] + (n - 1) * 104729 for m in active], **generate)  # each round its own
+                    edited = [j for j, keep in enumerate(no_edit) if not keep]
+                    for m, keep, new in zip(active, no_edit, candidates):
+                        stopped[m], images[m] = keep, new
+                    if edited:  # only an edited image has a new score
+                        rescored = score_images(cfg, reward_fn, [reflections[j] for j in edited],
+                                                [candidates[j] for j in edited],
+                                                [item_rows[active[j]] for j in edited]).tolist()
+                        for j, score in zip(edited, rescored):
+                            new_scores[active[j]] = score
+                if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
+                    for d, a, b in zip(details, prev, new_scores):
+                        d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
+                                  f"round{n}_worse": float(b < a), f"round{n}_same": float(b == a)})
+            refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im, **refine_change(a, s))
+                       for a, s, k, im in zip(scores, new_scores, stopped, images)]
+            if shapes:
+                for d, r, im in zip(details, item_rows, images):
+                    d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
+        results += [(i, s, parsed[k][0], im, d, ref) for i, (_, k), s, im, d, ref in zip(
+            ids, items, scores, out.images, details, refined)]
     policy.train(was_training)
     # every process's rows, the grid's first 64 images included (PIL images pickle; the rest go without theirs)
     mine_rows = [(i, s, f, {**d, **{k: v for k, v in (ref or {}).items() if k != "image"}},
@@ -153,6 +167,16 @@ def save_grid(images, path, columns=8):
     return path
 
 
+def refine_change(draft, refined):
+    """The refine's effect on one image, first draft -> last round: improved / worse (each 0 or 1), and for a perfect
+    draft (score 1) whether the refine made it worse (NaN for any other draft, so its mean is over perfect drafts);
+    all NaN when either image is unscored."""
+    if math.isnan(draft) or math.isnan(refined):
+        return dict(refine_improved=math.nan, refine_worse=math.nan, refine_perfect_worse=math.nan)
+    return dict(refine_improved=float(refined > draft), refine_worse=float(refined < draft),
+                refine_perfect_worse=float(refined < draft) if draft >= 1 else math.nan)
+
+
 def heldout_summary(after, before=None):
     """A run's summary entries of its held-out results: heldout_<key>_after (and _before), samples left out."""
     out = {}
@@ -171,4 +195,10 @@ def heldout_lines(before, after, described):
         lines.append(f"held-out reward (reason + refine): before {before['refine_reward']:.4f} -> after "
                      f"{after['refine_reward']:.4f} (kept as drawn: {before['refine_no_edit']:.2f} -> "
                      f"{after['refine_no_edit']:.2f})")
+        rounds = sorted(int(k[5:-7]) for k in after if k.startswith("round") and k.endswith("_reward"))
+        for when, res in (("before", before), ("after", after)):
+            per_round = " ".join(f"{res.get(f'round{n}_reward', math.nan):.4f}" for n in rounds)
+            lines.append(f"  refine {when}: {'by round ' + per_round + '; ' if rounds else ''}improved "
+                         f"{res.get('refine_improved', math.nan):.3f}, worse {res.get('refine_worse', math.nan):.3f}, "
+                         f"perfect drafts made worse {res.get('refine_perfect_worse', math.nan):.3f}")
     return lines

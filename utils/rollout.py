@@ -55,10 +55,11 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
 
 # `generate` fills every field left at None from the checkpoint's generation_config.json (Qwen2.5-VL-Instruct ships
 # repetition_penalty 1.05): the rollout would then sample from a reshaped distribution that the training log-probs
-# never score. These values switch each such processor off explicitly.
+# never score. These values switch each such processor off explicitly. min_new_tokens=0 also overrides any min_length
+# (setting both makes `generate` warn on every call).
 NEUTRAL_PROCESSORS = dict(
     repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
-    min_length=0, min_new_tokens=0, guidance_scale=1.0, remove_invalid_values=False, renormalize_logits=False,
+    min_new_tokens=0, guidance_scale=1.0, remove_invalid_values=False, renormalize_logits=False,
 )
 # Processors that only a None turns off, so a checkpoint that sets one is refused rather than silently applied.
 UNNEUTRAL_PROCESSORS = (
