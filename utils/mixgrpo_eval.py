@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import torch
 from accelerate.utils import gather_object
@@ -54,6 +55,39 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_ids, **
     return texts, [im if keep else new for im, new, keep in zip(images, out.images, no_edit)], no_edit
 
 
+def refine_rounds(cfg, rows, row_ids, image_ids, images, scores, details, *, reward_fn, gen, accelerator,
+                  **generate):
+    """R3's held-out refine of the first drafts `images` (with their `scores`; image m is of held-out row
+    `row_ids[m]`, its noise keyed by `image_ids[m]`): up to --eval_refine_rounds reflect + refine rounds, each image
+    stopping at its first "no further edit" (it is then neither reflected on nor scored again); only an edited image
+    is scored anew. With more than one round, each image's `details` get every round's score and its change from the
+    round before. Returns (images, scores, stopped flags) after the last round."""
+    images, scores, stopped = list(images), list(scores), [False] * len(images)
+    for n in range(1, cfg.eval_refine_rounds + 1):
+        prev, scores = scores, list(scores)
+        active = [m for m, stop in enumerate(stopped) if not stop]
+        if active:
+            reflections, candidates, no_edit = refine_heldout(
+                cfg, [rows[m] for m in active], [row_ids[m] for m in active], [images[m] for m in active], gen,
+                accelerator, noise_ids=[image_ids[m] + (n - 1) * 104729 for m in active],  # each round its own noise
+                **generate)
+            edited = []
+            for m, text, keep, new in zip(active, reflections, no_edit, candidates):
+                stopped[m], images[m] = keep, new
+                if not keep:
+                    edited.append((m, text))
+            if edited:
+                rescored = score_images(cfg, reward_fn, [text for _, text in edited], [images[m] for m, _ in edited],
+                                        [rows[m] for m, _ in edited]).tolist()
+                for (m, _), score in zip(edited, rescored):
+                    scores[m] = score
+        if cfg.eval_refine_rounds > 1:
+            for d, a, b in zip(details, prev, scores):
+                d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a), f"round{n}_worse": float(b < a),
+                          f"round{n}_same": float(b == a)})
+    return images, scores, stopped
+
+
 @torch.no_grad()
 def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
                     grid_path, edit_gen=None):
@@ -94,28 +128,9 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
             d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
         refined = [None] * len(items)
         if cfg.reflect_refine:
-            images, new_scores, stopped = list(out.images), list(scores), [False] * len(items)
-            for n in range(1, cfg.eval_refine_rounds + 1):  # R3: rounds until "no further edit"
-                prev, new_scores = new_scores, list(new_scores)
-                active = [m for m, stop in enumerate(stopped) if not stop]  # a stopped image is done
-                if active:
-                    reflections, candidates, no_edit = refine_heldout(
-                        cfg, [item_rows[m] for m in active], [idx[items[m][1]] for m in active],
-                        [images[m] for m in active], edit_gen or gen, accelerator,
-                        noise_ids=[ids[m] + (n - 1) * 104729 for m in active], **generate)  # each round its own
-                    edited = [j for j, keep in enumerate(no_edit) if not keep]
-                    for m, keep, new in zip(active, no_edit, candidates):
-                        stopped[m], images[m] = keep, new
-                    if edited:  # only an edited image has a new score
-                        rescored = score_images(cfg, reward_fn, [reflections[j] for j in edited],
-                                                [candidates[j] for j in edited],
-                                                [item_rows[active[j]] for j in edited]).tolist()
-                        for j, score in zip(edited, rescored):
-                            new_scores[active[j]] = score
-                if cfg.eval_refine_rounds > 1:  # per round: its score and the change from the round before
-                    for d, a, b in zip(details, prev, new_scores):
-                        d.update({f"round{n}_reward": b, f"round{n}_improved": float(b > a),
-                                  f"round{n}_worse": float(b < a), f"round{n}_same": float(b == a)})
+            images, new_scores, stopped = refine_rounds(
+                cfg, item_rows, [idx[k] for _, k in items], ids, out.images, scores, details, reward_fn=reward_fn,
+                gen=edit_gen or gen, accelerator=accelerator, **generate)
             refined = [dict(refine_reward=s, refine_no_edit=float(k), image=im, **refine_change(a, s))
                        for a, s, k, im in zip(scores, new_scores, stopped, images)]
             if shapes:
@@ -195,7 +210,7 @@ def heldout_lines(before, after, described):
         lines.append(f"held-out reward (reason + refine): before {before['refine_reward']:.4f} -> after "
                      f"{after['refine_reward']:.4f} (kept as drawn: {before['refine_no_edit']:.2f} -> "
                      f"{after['refine_no_edit']:.2f})")
-        rounds = sorted(int(k[5:-7]) for k in after if k.startswith("round") and k.endswith("_reward"))
+        rounds = sorted(int(m[1]) for m in (re.fullmatch(r"round(\d+)_reward", k) for k in after) if m)
         for when, res in (("before", before), ("after", after)):
             per_round = " ".join(f"{res.get(f'round{n}_reward', math.nan):.4f}" for n in rounds)
             lines.append(f"  refine {when}: {'by round ' + per_round + '; ' if rounds else ''}improved "
