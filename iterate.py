@@ -23,6 +23,7 @@ report.json and report.png: held-out accuracy after every stage of every cycle, 
 and the SFT efficacy score. docs/openvlthinker.md has the details.
 """
 
+import fcntl
 import json
 import os
 import random
@@ -43,6 +44,7 @@ from utils.serving import die_with_parent
 
 TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
 STAGE_FILE = "stage.json"
+LOCK_FILE = ".lock"  # held by the runner working in a folder (its pid inside)
 ESTIMATED_DIFFICULTY = "estimated_difficulty"
 
 
@@ -211,9 +213,35 @@ class Runner:
     def __init__(self, cfg):
         self.cfg = cfg
         self.child = None
+        self.lock = None
         # `accelerate launch` of this interpreter (not whichever `accelerate` is first on PATH): every stage runs in
         # the environment iterate.py runs in
         self.accelerate = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+
+    def hold(self, folder):
+        """Take folder's lock for as long as this process lives (the OS drops it on any exit, a kill included), or
+        stop: a second runner on the same folder would run the same stage twice at once."""
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOCK_FILE)
+        self.lock = open(path, "a+")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.seek(0)
+            owner = self.lock.read().strip() or "?"
+            self.lock.close()
+            raise SystemExit(f"{path}: {folder} is in use by another run (pid {owner}); wait for it to finish or "
+                             f"stop it, then run again (finished stages are skipped)") from None
+        self.lock.truncate(0)
+        self.lock.write(f"{os.getpid()}\n")
+        self.lock.flush()
+
+    def release(self):
+        """Drop the lock `hold` took (the file stays: another runner may already have it open)."""
+        if self.lock is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.lock.close()
+            self.lock = None
 
     def forward_signals(self):
         """SIGTERM / SIGINT to iterate stop the running stage too."""
@@ -508,11 +536,18 @@ def plot_report(report, path):
 
 def main(cfg: IterateConfig):
     validate(cfg)
+    runner = Runner(cfg)
+    runner.hold(cfg.output_dir)  # before anything is written: a second iterate.py on this folder stops here
+    try:
+        return run_cycles(cfg, runner)
+    finally:
+        runner.release()
+
+
+def run_cycles(cfg: IterateConfig, runner):
     configs = script_configs()
     out = cfg.output_dir
-    os.makedirs(out, exist_ok=True)
     save_config(cfg, os.path.join(out, "config.yaml"))
-    runner = Runner(cfg)
     runner.forward_signals()
     seed = {"seed": cfg.seed}
     template = {"prompt_template": cfg.prompt_template}

@@ -115,7 +115,6 @@ def main(args):
     cfg = parse_config(iterate.IterateConfig, ["--config", os.path.join(run, "config.yaml")])
     configs = iterate.script_configs()
     runner = iterate.Runner(cfg)
-    runner.forward_signals()
     cycle = os.path.join(run, "cycle-1")
     medium_pick = iterate.Runner.done(os.path.join(cycle, "grpo-medium-pick"))
     medium = medium_pick["best_checkpoint"] if medium_pick else iterate.Runner.done(
@@ -124,6 +123,8 @@ def main(args):
     if not os.path.isdir(hard_rows) or iterate.Runner.done(os.path.join(cycle, "eval-grpo-medium")) is None:
         raise SystemExit(f"{run}: cycle 1 has no grpo-hard-data or eval-grpo-medium yet; run iterate.py first")
     arms_dir = os.path.join(cycle, "arms")
+    runner.hold(arms_dir)  # a second runner on this run would train the same arm twice at once
+    runner.forward_signals()
     table = os.path.join(arms_dir, "arms.jsonl")
     done = {json.loads(line)["arm"] for line in open(table)} if os.path.exists(table) else set()
     template = {"prompt_template": cfg.prompt_template}

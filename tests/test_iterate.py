@@ -3,6 +3,7 @@ two-cycle run on tiny models that is SIGKILLed mid-stage and resumed."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -76,6 +77,26 @@ def test_a_finished_stage_is_never_run_again(tmp_path):
     with pytest.raises(SystemExit, match=r"stage bad failed \(exit code 3\).*run the same command again"):
         runner.run("bad", str(tmp_path / "bad"), [sys.executable, "-c", "import sys; sys.exit(3)"])
     assert not (tmp_path / "bad" / "stage.json").exists()
+
+
+def test_a_second_runner_on_a_busy_folder_stops_before_writing_anything(tmp_path):
+    """Two iterate.py (or arms runners) on one folder would run the same stage twice at once: the second stops,
+    naming the lock and the first one's pid; a killed runner's lock is gone with it (the OS drops it)."""
+    folder = str(tmp_path / "run")
+    code = ("import sys, time; import iterate; runner = iterate.Runner(iterate.IterateConfig()); "
+            "runner.hold(sys.argv[1]); print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, folder], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=rf"run/.lock: .*run is in use by another run \(pid {holder.pid}\)"):
+            iterate.main(IterateConfig(output_dir=folder, distill={"reasoner_base_url": "http://127.0.0.1:9/v1"}))
+        assert os.listdir(folder) == [".lock"]  # no config.yaml written over the first run's
+    finally:
+        holder.kill()
+        holder.wait()
+    runner = Runner(IterateConfig())
+    runner.hold(folder)
+    assert open(os.path.join(folder, ".lock")).read().strip() == str(os.getpid())
 
 
 def test_a_stage_runs_where_iterate_was_started(tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ def test_iterate_refuses_before_any_build(no_serving, tmp_path, monkeypatch):
         iterate.main(cfg)
     with pytest.raises(ConfigError, match=rf"iterate.py --next_data_serve needs .*{FIX}"):
         iterate.main(IterateConfig(next_data_serve=True, output_dir=str(tmp_path / "run2")))
-    assert sorted(os.listdir(tmp_path / "run")) == ["config.yaml"]
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "config.yaml"]  # the lock: iterate.Runner.hold
 
 
 @pytest.mark.slow
