@@ -14,7 +14,7 @@ from rewards.common import GENEVAL_METADATA_KEYS, RewardFunction, check_length, 
 KEYS = ("score", "strict", "detected", "requested", "extra")
 
 
-def _shapes_t2i(completions, images=None, *, key, behaviour, **columns) -> list[float | None]:
+def _shapes_t2i(completions, images=None, *, key, behaviour, extra_weight, **columns) -> list[float | None]:
     from tiny.detector import score_t2i
 
     n = len(completions)
@@ -22,11 +22,11 @@ def _shapes_t2i(completions, images=None, *, key, behaviour, **columns) -> list[
         raise ValueError("reward 'shapes_t2i' scores images: call it with images=[one PIL image per completion]")
     images = check_length(images, "images", n, "shapes_t2i")
     rows = metadata_rows(columns, n, GENEVAL_METADATA_KEYS, reward="shapes_t2i")
-    return [None if im is None else float(score_t2i(im, row, behaviour=behaviour)[key])
+    return [None if im is None else float(score_t2i(im, row, behaviour=behaviour, extra_weight=extra_weight)[key])
             for im, row in zip(images, rows)]
 
 
-def shapes_t2i_reward(key: str = "score", behaviour: str = "tiny"):
+def shapes_t2i_reward(key: str = "score", behaviour: str = "tiny", extra_weight: float | None = None):
     """``fn(completions, images=[PIL, ...], include=[...], exclude=[...], tag=..., prompt=...)``.
 
     ``key="score"`` gives partial credit in [0, 1]; ``key="strict"`` gives 1.0 only when every item holds
@@ -34,14 +34,21 @@ def shapes_t2i_reward(key: str = "score", behaviour: str = "tiny"):
     object counts for logging detected-vs-requested objects. ``behaviour="tiny"`` (default) also charges
     for unrequested objects and speckle, so noise, blank and confetti images cannot score;
     ``behaviour="geneval"`` keeps GenEval's rules (extra objects free unless an exclude item names them)
-    for parity with the GenEval server. See ``tiny.detector.score_t2i``.
+    for parity with the GenEval server. ``extra_weight`` (``tiny`` only; default
+    ``tiny.detector.EXTRA_WEIGHT`` = 0.5) is what an extra object costs against a missing one: a reward that
+    charges more for drawing what was not asked. See ``tiny.detector.score_t2i``.
     Images that are None get None; a ``metadata`` column of dicts may replace the separate columns.
     """
     if key not in KEYS:
         raise ValueError(f"shapes_t2i: key must be one of {KEYS}, got {key!r}")
-    from tiny.detector import BEHAVIOURS  # (also fails at configuration time if the scorer is missing)
+    from tiny.detector import BEHAVIOURS, EXTRA_WEIGHT  # (also fails at configuration time if the scorer is missing)
 
     if behaviour not in BEHAVIOURS:
         raise ValueError(f"shapes_t2i: behaviour must be one of {BEHAVIOURS}, got {behaviour!r}")
-
-    return RewardFunction("shapes_t2i", _shapes_t2i, key=key, behaviour=behaviour)
+    if extra_weight is not None and behaviour != "tiny":
+        raise ValueError(f"shapes_t2i: extra_weight prices extra objects under behaviour 'tiny' only; "
+                         f"behaviour {behaviour!r} keeps GenEval's rules")
+    if extra_weight is not None and not (isinstance(extra_weight, (int, float)) and extra_weight >= 0):
+        raise ValueError(f"shapes_t2i: extra_weight must be a number >= 0, got {extra_weight!r}")
+    extra_weight = EXTRA_WEIGHT if extra_weight is None else float(extra_weight)
+    return RewardFunction("shapes_t2i", _shapes_t2i, key=key, behaviour=behaviour, extra_weight=extra_weight)

@@ -355,6 +355,13 @@ def test_shapes_t2i_behaviours_and_logging_keys():
     assert reward(key="strict") == [0.0, 1.0, 0.0]
     assert reward(key="detected") == [0.0, 2.0, 3.0] and reward(key="requested") == [2.0] * 3
     assert reward(key="extra") == [0.0, 0.0, 1.0]
+    # the price of an extra object: 2 / (2 + w * 1) for one circle too many; the default w is 0.5
+    assert reward(extra_weight=2.0) == [0.0, 1.0, pytest.approx(2 / 4)]
+    assert reward(extra_weight=0.0) == [0.0, 1.0, 1.0] and reward(extra_weight=0.5) == reward()
+    with pytest.raises(ValueError, match="extra_weight prices extra objects under behaviour 'tiny' only"):
+        get_reward("shapes_t2i", behaviour="geneval", extra_weight=1.0)
+    with pytest.raises(ValueError, match="extra_weight must be a number >= 0, got -1"):
+        get_reward("shapes_t2i", extra_weight=-1)
     with pytest.raises(ValueError, match="behaviour must be one of"):
         get_reward("shapes_t2i", behaviour="gen_eval")
     with pytest.raises(ValueError, match="key must be one of"):

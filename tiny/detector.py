@@ -299,15 +299,16 @@ def _geneval_grade(credits, excluded) -> tuple[float, bool]:
     return (sum(items) / len(items) if items else 0.0), _all_hold(items)
 
 
-def _tiny_grade(credits, excluded, requested: int, extra: float) -> tuple[float, bool]:
-    """Include credit times precision requested / (requested + EXTRA_WEIGHT * extra)."""
+def _tiny_grade(credits, excluded, requested: int, extra: float, extra_weight: float) -> tuple[float, bool]:
+    """Include credit times precision requested / (requested + extra_weight * extra)."""
     if not requested:
         return 0.0, False
     credit = sum(credits) / len(credits)
-    return credit * requested / (requested + EXTRA_WEIGHT * extra), _all_hold(credits + excluded) and extra == 0
+    return credit * requested / (requested + extra_weight * extra), _all_hold(credits + excluded) and extra == 0
 
 
-def score_t2i(image, meta, *, behaviour: str = "tiny", min_area: float | None = None, denoise="auto") -> dict:
+def score_t2i(image, meta, *, behaviour: str = "tiny", min_area: float | None = None, denoise="auto",
+              extra_weight: float = EXTRA_WEIGHT) -> dict:
     """Grade an image against a GenEval-schema row.
 
     Returns {"score": float in [0, 1], "strict": 0/1, "detected": objects found, "requested": objects the
@@ -329,17 +330,20 @@ def score_t2i(image, meta, *, behaviour: str = "tiny", min_area: float | None = 
     objects are free, and a blank image earns a counting row's exclude half. "extra" is reported only.
 
     behaviour="tiny" (default, what the reward trains on) additionally charges for everything not asked
-    for: score = credit * requested / (requested + EXTRA_WEIGHT * extra), credit = mean over include
+    for: score = credit * requested / (requested + extra_weight * extra), credit = mean over include
     items, extra = max(0, detected - requested) (another class or colour, "other" blobs, one more of the
     same) + stray ink (`segment_shapes`) beyond CLUTTER_FREE_FRAC of an object, in `expected_object_area`
-    units. With EXTRA_WEIGHT = 1/2 an extra object costs about half of a missing one (single object:
-    missing 0, extra 2/3; two objects: missing 1/2, extra 4/5). Exclude items get no term of their own:
-    what they forbid is unrequested and so already extra; strict = 1 only when every include and exclude
+    units. With the default extra_weight (EXTRA_WEIGHT = 1/2) an extra object costs about half of a missing
+    one (single object: missing 0, extra 2/3; two objects: missing 1/2, extra 4/5); held-out scores always use
+    the default, a reward may charge more (`shapes_t2i_reward(extra_weight=...)`). Exclude items get no term of
+    their own: what they forbid is unrequested and so already extra; strict = 1 only when every include and exclude
     item holds and nothing is extra. Blank and noise images score 0.
     `image` may be a PIL image or an HWC/CHW array (uint8, or float in [0, 1]).
     """
     if behaviour not in BEHAVIOURS:
         raise ValueError(f"score_t2i: behaviour must be one of {BEHAVIOURS}, got {behaviour!r}")
+    if extra_weight < 0:
+        raise ValueError(f"score_t2i: extra_weight must be >= 0, got {extra_weight}")
     meta = _meta(meta)
     includes, excludes = meta["include"], meta.get("exclude") or []
     requested = sum(int(item["count"]) for item in includes)
@@ -354,6 +358,6 @@ def score_t2i(image, meta, *, behaviour: str = "tiny", min_area: float | None = 
         score, strict = _geneval_grade(credits, excluded)
     else:
         extra += max(0.0, seg["stray_pixels"] - CLUTTER_FREE_FRAC * unit) / unit
-        score, strict = _tiny_grade(credits, excluded, requested, extra)
+        score, strict = _tiny_grade(credits, excluded, requested, extra, extra_weight)
     return {"score": float(score), "strict": float(strict), "detected": len(objects), "requested": requested,
             "extra": float(extra)}

@@ -5,7 +5,7 @@ Used by bench/tiny_generator_report.py (`--planner`) and the tiny planner's buil
 
 import torch
 
-from tiny.shapes import SHAPES
+from tiny.shapes import DEFAULT_COLORS, SHAPES
 
 
 def load_planner(name):
@@ -40,6 +40,23 @@ def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
     return plans
 
 
+def _reading(model, processor, cases, words):
+    """Mean over cases (prompt, plan prefix, index of the right word) of P(the right word next), teacher-forced
+    after the prefix and renormalised over `words` (token strings, one token each)."""
+    from utils.r3_format import REASON_PROMPT
+
+    tok = processor.tokenizer
+    word_ids = [tok.encode(w, add_special_tokens=False)[0] for w in words]
+    probs = []
+    for prompt, prefix, right in cases:
+        messages = [{"role": "user", "content": REASON_PROMPT.format(prompt=prompt)},
+                    {"role": "assistant", "content": prefix + "\x00"}]
+        text = processor.apply_chat_template(messages, tokenize=False)
+        ids = tok(text[:text.rindex("\x00")], return_tensors="pt", add_special_tokens=False).input_ids
+        probs.append(float(model(input_ids=ids).logits[0, -1, word_ids].softmax(-1)[right]))
+    return sum(probs) / len(probs)
+
+
 @torch.no_grad()
 def shape_reading(model, processor, colors=("red", "blue", "green")):
     """P(the plan's first object is the shape the prompt names), teacher-forced after its colour, for
@@ -47,16 +64,15 @@ def shape_reading(model, processor, colors=("red", "blue", "green")):
 
     Exactly 1 / len(SHAPES) when the planner's next-token distribution does not depend on the prompt (the mean of
     one distribution's entries), 1 when it copies the shape."""
-    from utils.r3_format import REASON_PROMPT
+    cases = [(f"a photo of a {color} {shape}", f"<think>{color}", k) for color in colors
+             for k, shape in enumerate(SHAPES)]
+    return _reading(model, processor, cases, [f" {s}" for s in SHAPES])
 
-    tok = processor.tokenizer
-    shape_ids = [tok.encode(f" {s}", add_special_tokens=False)[0] for s in SHAPES]
-    probs = []
-    for color in colors:
-        for k, shape in enumerate(SHAPES):
-            messages = [{"role": "user", "content": REASON_PROMPT.format(prompt=f"a photo of a {color} {shape}")},
-                        {"role": "assistant", "content": f"<think>{color}"}]
-            text = processor.apply_chat_template(messages, tokenize=False)
-            ids = tok(text[:text.rindex(color) + len(color)], return_tensors="pt", add_special_tokens=False).input_ids
-            probs.append(float(model(input_ids=ids).logits[0, -1, shape_ids].softmax(-1)[k]))
-    return sum(probs) / len(probs)
+
+@torch.no_grad()
+def colour_reading(model, processor, colors=DEFAULT_COLORS):
+    """P(the plan's first word is the colour the prompt names), teacher-forced right after `<think>`, for
+    "a photo of a {colour} {shape}" over `colors` x SHAPES and renormalised over the colour words (the plan's first
+    word has no leading space). Exactly 1 / len(colors) when nothing flows from the prompt to that position."""
+    cases = [(f"a photo of a {color} {shape}", "<think>", k) for k, color in enumerate(colors) for shape in SHAPES]
+    return _reading(model, processor, cases, list(colors))
