@@ -230,6 +230,7 @@ class Runner:
             self.lock.seek(0)
             owner = self.lock.read().strip() or "?"
             self.lock.close()
+            self.lock = None
             raise SystemExit(f"{path}: {folder} is in use by another run (pid {owner}); wait for it to finish or "
                              f"stop it, then run again (finished stages are skipped)") from None
         self.lock.truncate(0)

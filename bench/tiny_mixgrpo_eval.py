@@ -10,6 +10,7 @@ their paired difference with the spread over seeds. The warm start is evaluated 
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -71,6 +72,9 @@ def main():
     ap.add_argument("--eval_samples", type=int, default=256, help="held-out prompts (the tiny set has 256)")
     ap.add_argument("--model_name_or_path", default=None, help="the runs' warm-start VLM, when their config's name "
                                                                "now resolves to another (tiny: the current planner)")
+    ap.add_argument("--reward_kwargs", type=json.loads, default=None,
+                    help="JSON: score with these --reward_fn options instead of each run's own (a run trained on "
+                         "another price of extra objects, scored on the default one: '{}')")
     ap.add_argument("--cpu_threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.cpu_threads)
@@ -79,12 +83,13 @@ def main():
     print("|---|---|---|---|---|---|")
     for run in args.runs:
         cfg = run_config(run, eval_samples=args.eval_samples, report_to="none",
-                         **({"model_name_or_path": args.model_name_or_path} if args.model_name_or_path else {}))
+                         **({"model_name_or_path": args.model_name_or_path} if args.model_name_or_path else {}),
+                         **({"reward_kwargs": args.reward_kwargs} if args.reward_kwargs is not None else {}))
         from accelerate import Accelerator
 
         vlm_path, gen_path, _, _, val_path = resolve_tiny_t2i(cfg, Accelerator(cpu=True))
         rows = load_prompts(cfg, val_path)[: args.eval_samples]
-        key = (vlm_path, gen_path, cfg.generator_lora_r, val_path)
+        key = (vlm_path, gen_path, cfg.generator_lora_r, val_path, json.dumps(cfg.reward_kwargs, sort_keys=True))
         if key not in before_cache:
             before_cache[key] = evaluate_seeds(cfg, rows, vlm_path, gen_path, args.noise_seeds)
         before = before_cache[key]

@@ -334,10 +334,10 @@ def score_t2i(image, meta, *, behaviour: str = "tiny", min_area: float | None = 
     items, extra = max(0, detected - requested) (another class or colour, "other" blobs, one more of the
     same) + stray ink (`segment_shapes`) beyond CLUTTER_FREE_FRAC of an object, in `expected_object_area`
     units. With the default extra_weight (EXTRA_WEIGHT = 1/2) an extra object costs about half of a missing
-    one (single object: missing 0, extra 2/3; two objects: missing 1/2, extra 4/5); held-out scores always use
-    the default, a reward may charge more (`shapes_t2i_reward(extra_weight=...)`). Exclude items get no term of
-    their own: what they forbid is unrequested and so already extra; strict = 1 only when every include and exclude
-    item holds and nothing is extra. Blank and noise images score 0.
+    one (single object: missing 0, extra 2/3; two objects: missing 1/2, extra 4/5); a reward may charge more
+    (`shapes_t2i_reward(extra_weight=...)`). Exclude items get no term of their own: what they forbid is
+    unrequested and so already extra; strict = 1 only when every include and exclude item holds and nothing is
+    extra. Blank and noise images score 0.
     `image` may be a PIL image or an HWC/CHW array (uint8, or float in [0, 1]).
     """
     if behaviour not in BEHAVIOURS:
