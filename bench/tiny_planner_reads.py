@@ -25,37 +25,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny.cache import TINY_MODELS  # noqa: E402
 from tiny.generator import heldout_rows  # noqa: E402
 from tiny.planner import colour_reading, load_planner, planner_plans, shape_reading  # noqa: E402
-from tiny.t2i import plan_matches_request  # noqa: E402
-
-COLUMNS = ("left", "center", "right")
+from tiny.t2i import COLS_3, plan_matches_request, plan_objects  # noqa: E402
 
 
-def plan_objects(plan):
-    """[(colour, shape, cell words)] of a scene plan 'red square top left, blue circle middle center'."""
-    objects = []
-    for part in plan.split(","):
-        words = part.split()
-        if len(words) >= 2:
-            objects.append((words[0], words[1], words[2:]))
-    return objects
+def plan_columns(plan):
+    """The column word ("left", "center", "right") of each object a scene plan places on the 3 x 3 grid."""
+    return [part.split()[-1] for part in plan.split(",") if part.split() and part.split()[-1] in COLS_3]
 
 
 def plan_stats(plans, rows):
     """The numbers printed per planner (a dict), from its greedy plans of `rows`."""
     coloured = [(p, r) for p, r in zip(plans, rows) if any("color" in item for item in r["include"])]
     objects = [plan_objects(p) for p in plans]
-    columns = Counter(cell[-1] for objs in objects for _, _, cell in objs if cell and cell[-1] in COLUMNS)
+    columns = Counter(column for p in plans for column in plan_columns(p))
     firsts = Counter(objs[0][0] for objs in objects if objs)
     top, top_n = firsts.most_common(1)[0] if firsts else ("-", 0)
     colours_named = sum({item["color"] for item in r["include"] if "color" in item}
-                        <= {c for c, _, _ in plan_objects(p)} for p, r in coloured)
+                        <= {c for c, _ in plan_objects(p)} for p, r in coloured)
     placed = sum(columns.values()) or 1
     return {"right": sum(plan_matches_request(p, r) for p, r in zip(plans, rows)) / len(rows),
             "objects": sum(len(o) for o in objects) / len(rows),
             "asked": sum(int(item["count"]) for r in rows for item in r["include"]) / len(rows),
             "coloured_named": colours_named / max(1, len(coloured)), "coloured_rows": len(coloured),
             "first_colour": (top, top_n / max(1, sum(firsts.values()))),
-            "columns": {c: columns[c] / placed for c in COLUMNS}}
+            "columns": {c: columns[c] / placed for c in COLS_3}}
 
 
 def main():
@@ -76,7 +69,7 @@ def main():
         s = plan_stats(plans, rows)
         changed = "" if first is None else f"; plans changed vs the first: {sum(a != b for a, b in zip(first, plans))}"
         first = plans if first is None else first
-        cols = " / ".join(f"{s['columns'][c]:.2f}" for c in COLUMNS)
+        cols = " / ".join(f"{s['columns'][c]:.2f}" for c in COLS_3)
         print(f"{name}\n  shape reading {shape_reading(model, processor):.3f} (chance 0.333), colour reading "
               f"{colour_reading(model, processor):.3f} (chance 0.200)\n  {len(rows)} held-out plans: right "
               f"{s['right']:.3f}, objects {s['objects']:.2f} (asked {s['asked']:.2f}), coloured prompts with every "

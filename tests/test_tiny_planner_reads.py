@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.tiny_planner_reads import plan_objects, plan_stats
+from bench.tiny_planner_reads import plan_columns, plan_stats
 
 ROWS = [{"prompt": "a photo of a red square", "include": [{"class": "square", "count": 1, "color": "red"}]},
         {"prompt": "a photo of two circles", "include": [{"class": "circle", "count": 2}]},
@@ -11,10 +11,9 @@ ROWS = [{"prompt": "a photo of a red square", "include": [{"class": "square", "c
                      {"class": "square", "count": 1, "color": "green"}]}]
 
 
-def test_plan_objects_reads_colour_shape_and_cell():
-    assert plan_objects("red square top left, blue circle middle center") == [
-        ("red", "square", ["top", "left"]), ("blue", "circle", ["middle", "center"])]
-    assert plan_objects("") == []
+def test_plan_columns_reads_each_objects_column():
+    assert plan_columns("red square top left, blue circle middle center") == ["left", "center"]
+    assert plan_columns("") == []
 
 
 def test_plan_stats_counts_colours_named_columns_and_the_first_colour():
