@@ -46,6 +46,9 @@ class SFTConfig:
     freeze_vision_tower: bool = False  # freeze the vision encoder, its LoRA too (its projector stays trainable)
     freeze_multi_modal_projector: bool = field(default=False,
                                                metadata={"help": "also freeze the vision-to-LM projector"})
+    freeze_input_embeddings: bool = field(default=False, metadata={"help": (
+        "keep the input token embeddings as loaded (with tied embeddings the LM head too): words that are random "
+        "choices as targets otherwise drift together and can no longer be told apart as inputs")})
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     padding_free: Optional[bool] = field(default=None, metadata={"help": (
         "pack each micro-batch's sequences end to end without padding (TRL's flag); none: where the model allows "

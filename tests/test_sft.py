@@ -272,6 +272,21 @@ def test_training_lowers_the_loss_on_a_repeated_batch_and_reports_heldout_accura
 
 
 @pytest.mark.slow
+def test_freeze_input_embeddings_keeps_them_and_trains_the_untied_head(shapes, tmp_path):
+    vlm = make_tiny_vlm(str(tmp_path / "untied"), tie_word_embeddings=False)
+    start = load_file(os.path.join(vlm, "model.safetensors"))
+    embed = next(k for k in start if k.endswith("embed_tokens.weight"))
+    head = next(k for k in start if k.endswith("lm_head.weight"))
+    assert torch.equal(start[embed], start[head])  # untied, the head starts as a copy
+    for freeze in (True, False):
+        out = tmp_path / f"freeze-{freeze}"
+        main(_config({"qwen2_5_vl": vlm}, shapes, out, max_steps=2, save_steps=2, freeze_input_embeddings=freeze))
+        after = load_file(str(out / "checkpoint-2" / "model.safetensors"))
+        assert torch.equal(after[embed], start[embed]) is freeze, freeze
+        assert not torch.equal(after[head], start[head])  # the head is its own parameter and trains
+
+
+@pytest.mark.slow
 def test_resume_continues_exactly(tiny, shapes, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     main(_config(tiny, shapes, full))

@@ -84,13 +84,14 @@ def test_compare_finds_a_changed_or_missing_file(tmp_path):
 @pytest.mark.full
 @pytest.mark.slow
 def test_the_cheap_builds_retrain_to_the_shipped_bytes(tmp_path):
-    """tiny-sft and tiny-reasoner (about 2 + 2 CPU minutes) retrained in an empty cache equal their shipped
-    folders byte for byte; the others are checked by the same command (`python -m tiny.shipped verify`, about 80
-    CPU minutes), run when they are saved."""
+    """tiny-sft, tiny-reasoner and tiny-planner (about 2 + 2 + 2 CPU minutes) retrained in an empty cache equal their
+    shipped folders byte for byte; the others are checked by the same command (`python -m tiny.shipped verify`,
+    about 80 CPU minutes), run when they are saved."""
     result = subprocess.run([sys.executable, "-m", "tiny.shipped", "verify", "--only", "tiny-sft", "tiny-reasoner",
-                             "--cache_dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True)
+                             "tiny-planner", "--cache_dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "2/2 builds reproduce" in result.stdout
+    assert "3/3 builds reproduce" in result.stdout
     sft = shipped.shipped_folder("tiny-sft")
     assert filecmp.cmp(os.path.join(sft, "checkpoint-200", "model.safetensors"),
                        tmp_path / "cache" / os.path.basename(sft) / "checkpoint-200" / "model.safetensors",

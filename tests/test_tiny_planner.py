@@ -33,14 +33,15 @@ def test_shape_and_colour_reading_are_exactly_chance_when_nothing_flows_from_the
 @pytest.mark.slow
 def test_the_tiny_planner_reads_the_prompt():
     """The default tiny planner (shipped in tiny/weights/, about 2 CPU minutes to retrain): it names the prompt's
-    shape and most of its greedy plans name exactly the requested objects (the 384-token tiny VLM stays at chance,
-    1/3, and 13 of 120)."""
+    shape and colour, and most of its greedy plans name exactly the requested objects (the 384-token tiny VLM stays
+    at chance, 1/3, and 13 of 120)."""
     from tiny.generator import heldout_rows
     from tiny.t2i import plan_matches_request
 
     torch.set_num_threads(1)
     model, processor = load_planner("tiny-planner")
     assert shape_reading(model, processor) > 0.9
+    assert colour_reading(model, processor) > 0.9  # 0.200 (chance) with tied, trained embeddings
     rows = heldout_rows(120)
     right = sum(plan_matches_request(p, r) for p, r in zip(planner_plans(model, processor, rows), rows))
     assert right >= 80, right
@@ -68,3 +69,21 @@ def test_colour_reading_is_one_for_a_planner_that_copies_the_prompts_colour(vlm)
     assert colour_reading(Copier(), processor) == pytest.approx(1.0)
     red = tok.encode("red", add_special_tokens=False)[0]
     assert colour_reading(Copier(always=red), processor) == pytest.approx(1 / len(DEFAULT_COLORS))
+
+
+def test_the_planner_rows_are_the_generator_rows_then_rows_that_all_name_colours():
+    from tiny import cache
+    from tiny.shapes import PALETTE
+    from tiny.t2i import make_t2i_prompts, plan_objects
+
+    rows = cache._planner_sft_rows()
+    n, extra = cache.PLANNER_ROWS["n"], cache.PLANNER_COLOUR_ROWS["n"]
+    assert len(rows) == n + extra and len({r["id"] for r in rows}) == len(rows)
+    assert rows[:n] == cache._plan_rows(n)
+    asked = make_t2i_prompts(extra, seed=cache.PLANNER_COLOUR_ROWS["seed"], tags=cache.PLANNER_COLOUR_ROWS["tags"])
+    for row, meta in zip(rows[n:], asked):
+        question, answer = (m["content"] for m in row["messages"])
+        assert question.endswith(meta["prompt"]) and any(f" {c} " in f" {meta['prompt']} " for c in PALETTE)
+        planned = {color for color, _ in plan_objects(answer.removeprefix("<think>").removesuffix("</think>"))}
+        assert {item["color"] for item in meta["include"]} == planned  # the plan keeps the prompt's colours
+

@@ -42,6 +42,10 @@ TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.ya
 TINY_PLANNER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_planner.yaml")
 TINY_REFLECTOR_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reflector.yaml")
 PLANNER_ROWS = dict(n=4096, seed=0, image_size=32)  # the tiny generator's rows: plans of the renders it draws
+# The planner's SFT adds rows whose prompts all name colours, drawn with their own seed (the job's prompts use 0 and
+# 1). On the generator's rows alone, where a third of the prompts name one, whether the planner ever learnt to copy
+# a colour depended on the build's seed (docs/results/2026-12-05-tiny-planner-untied.md).
+PLANNER_COLOUR_ROWS = dict(n=2048, seed=7, tags=("colors", "color_attr"))
 # The reflector's SFT rows: every reflect training row, with this many of the planner's rows replayed among them so
 # the reason step is kept (R3 trains one model for both)
 REFLECTOR_PLAN_ROWS = 2048
@@ -61,8 +65,10 @@ TINY_VLM = dict(family="qwen2_5_vl", hidden_size=128, num_hidden_layers=2, visio
 TINY_LLM = dict(hidden_size=128, num_hidden_layers=2, seed=0)
 # The planner's base: the tiny VLM with every merge its tokenizer corpus has (~530 tokens; 1024 is more than there
 # are), so each word of a plan is one token. On the 384-token vocabulary the planner never learns to read the
-# prompt (docs/results/2026-12-02-tiny-planner-reads.md).
-TINY_PLANNER_VLM = dict(TINY_VLM, vocab_size=1024)
+# prompt (docs/results/2026-12-02-tiny-planner-reads.md). Its LM head is its own: with tied embeddings the colour
+# words collapse onto one vector and the planner never reads the prompt's colour
+# (docs/results/2026-12-05-tiny-planner-untied.md).
+TINY_PLANNER_VLM = dict(TINY_VLM, vocab_size=1024, tie_word_embeddings=False)
 
 
 def _key(spec):
@@ -297,8 +303,8 @@ def _planner_spec():
     from tiny import t2i
     from utils.r3_format import REASON_PROMPT
 
-    return {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS,
-            "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT)}
+    return {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS, "colour_rows": PLANNER_COLOUR_ROWS,
+            "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT, _planner_sft_rows)}
 
 
 def _plan_rows(n):
@@ -309,17 +315,28 @@ def _plan_rows(n):
     return t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"])
 
 
+def _planner_sft_rows():
+    """The planner's SFT rows: the generator's plan rows, then PLANNER_COLOUR_ROWS planned the same way."""
+    from tiny import t2i
+    from utils.r3_format import REASON_PROMPT
+
+    spec = PLANNER_COLOUR_ROWS
+    coloured = t2i.planner_rows(t2i.make_t2i_prompts(spec["n"], seed=spec["seed"], tags=spec["tags"]), REASON_PROMPT,
+                                image_size=PLANNER_ROWS["image_size"])
+    return _plan_rows(PLANNER_ROWS["n"]) + [dict(row, id=f"colour-{row['id']}") for row in coloured]
+
+
 def tiny_planner_path():
     """The tiny Mix-GRPO policy's warm start: a fresh word-level tiny VLM (TINY_PLANNER_VLM) taught to answer
     train_mixgrpo's reason prompt with `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is
-    trained on (tiny.t2i.scene_plan: the objects with a colour and a grid cell each)."""
+    trained on and PLANNER_COLOUR_ROWS (tiny.t2i.scene_plan: the objects with a colour and a grid cell each)."""
     from tiny.models import make_tiny_vlm
 
     spec = _planner_spec()
     return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, lambda: [
         "--model_name_or_path", cached("tiny-planner-vlm", TINY_PLANNER_VLM,
                                        lambda out: make_tiny_vlm(out, **TINY_PLANNER_VLM)),
-        "--dataset_name", cached("plans", spec, lambda out: save_sharegpt(_plan_rows(PLANNER_ROWS["n"]), out))])
+        "--dataset_name", cached("plans", spec, lambda out: save_sharegpt(_planner_sft_rows(), out))])
 
 
 def tiny_reflector_path():

@@ -440,6 +440,18 @@ def _save(model, processor_or_tokenizer, out_dir, stop_tokens, tok):
         json.dump(cfg, f, indent=2)
 
 
+def _untie_word_embeddings(model):
+    """Give the LM head its own weight, a copy of the input embeddings. Tied, a word that is a random choice as a
+    target (a plan's colour when the prompt names none) is pulled towards its siblings' output vector, and as an input
+    it can no longer be told apart from them (docs/results/2026-12-05-tiny-planner-untied.md)."""
+    import torch
+
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is not None:
+            config.tie_word_embeddings = False
+    model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+
+
 def make_tiny_vlm(
     out_dir,
     *,
@@ -456,6 +468,7 @@ def make_tiny_vlm(
     merge_size: int = 2,
     vocab_size: int = DEFAULT_BPE_VOCAB,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> str:
     """Build a tiny randomly initialised VLM of `family` and save it (model, processor, tokenizer) to out_dir.
 
@@ -473,6 +486,8 @@ def make_tiny_vlm(
         tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
         vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, len(tok),
     )
+    if not tie_word_embeddings:
+        _untie_word_embeddings(model)
     _save(model, processor, str(out_dir), _FAMILY_TOKENS[family]["stop"], tok)
     return str(out_dir)
 

@@ -244,7 +244,10 @@ def activation_checkpointing_on(model) -> bool:
 def prepare_for_training(model, cfg):
     """Gradient checkpointing and LoRA as the train scripts' flags ask (`gradient_checkpointing`,
     `use_peft`, `lora_r`, `lora_alpha`, `lora_dropout`, `lora_target_modules`); returns the model to train. With LoRA,
-    `freeze_vision_tower` / `freeze_multi_modal_projector` (where the config has them) freeze those parts' adapters."""
+    `freeze_vision_tower` / `freeze_multi_modal_projector` (where the config has them) freeze those parts' adapters;
+    `freeze_input_embeddings` keeps the input token embeddings as loaded."""
+    if getattr(cfg, "freeze_input_embeddings", False):
+        model.get_input_embeddings().weight.requires_grad_(False)
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
         model.config.use_cache = False
