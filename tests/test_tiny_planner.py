@@ -86,4 +86,3 @@ def test_the_planner_rows_are_the_generator_rows_then_rows_that_all_name_colours
         assert question.endswith(meta["prompt"]) and any(f" {c} " in f" {meta['prompt']} " for c in PALETTE)
         planned = {color for color, _ in plan_objects(answer.removeprefix("<think>").removesuffix("</think>"))}
         assert {item["color"] for item in meta["include"]} == planned  # the plan keeps the prompt's colours
-
