@@ -1,13 +1,14 @@
 """Does the tiny reflector see better after a describe task? An experiment on the reflector warm start's eye.
 
-    python bench/tiny_reflector_eye.py --out outputs/eye --describe_steps 1500    # describe SFT, then reflect SFT
-    python bench/tiny_reflector_eye.py --out outputs/eye0 --describe_steps 0      # the reflect SFT alone (the build)
+    python bench/tiny_reflector_eye.py --out outputs/eye                          # as tiny-reflector is built
+    python bench/tiny_reflector_eye.py --out outputs/eye0 --describe_steps 0      # the reflect SFT alone
     python bench/tiny_reflector_eye.py --probe tiny-reflector DIR ...             # is the colour in the image tokens?
 
-Both arms start from what tiny-reflector starts from (tiny-planner with tiny-sft's vision tower and merger) and end
-with the same reflect SFT (recipes/stages/tiny_reflector.yaml on the reflector's rows, planner rows replayed).
-With --describe_steps > 0 a describe SFT comes first, on other drafts of the same world (synthetic:reflect's rows of
---describe_seed) under tiny.reflector.DESCRIBE_PROMPT -> "I see <plan of the draft>", at the same recipe. Printed
+Both arms start from tiny-planner with tiny-sft's vision tower and merger and end with the same reflect SFT
+(recipes/stages/tiny_reflector.yaml on the reflector's rows, planner rows replayed). With --describe_steps > 0 a
+describe SFT comes first, on other drafts of the same world (synthetic:reflect's rows of --describe_seed) under
+tiny.reflector.DESCRIBE_PROMPT -> "I see <plan of the draft>", at the same recipe; 4000 steps at the recipe's
+lr (1e-3) on 8192 drafts of seed 7 is tiny-describer, which tiny-reflector is trained from (tiny/cache.py). Printed
 and written to OUT/scores.json, on the held-out reflector rows: what the description (after the describe SFT) and
 the reflection's "I see ..." get right (count, colours, every object), and the reflection scores of
 bench/tiny_reflector_report.py. --probe fits a linear probe (logistic regression) of an object's colour on the
@@ -106,11 +107,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     parser.add_argument("--probe", nargs="+", help="models whose image tokens get the colour probe (then exit)")
-    parser.add_argument("--describe_steps", type=int, default=1500)
+    parser.add_argument("--describe_steps", type=int, default=4000)
     parser.add_argument("--describe_rows", type=int, default=8192)
     parser.add_argument("--describe_seed", type=int, default=7)
     parser.add_argument("--describe_lr", type=float, default=None, help="default: the reflect recipe's")
-    parser.add_argument("--reflect_steps", type=int, default=1500)
+    parser.add_argument("--reflect_steps", type=int, default=4000)
     parser.add_argument("--reflect_lr", type=float, default=None, help="default: the reflect recipe's")
     parser.add_argument("--describe_from", default=None, help="continue the describe SFT from this checkpoint")
     parser.add_argument("--threads", type=int, default=1)

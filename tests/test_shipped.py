@@ -86,7 +86,7 @@ def test_compare_finds_a_changed_or_missing_file(tmp_path):
 def test_the_cheap_builds_retrain_to_the_shipped_bytes(tmp_path):
     """tiny-sft, tiny-reasoner and tiny-planner (about 2 + 2 + 2 CPU minutes) retrained in an empty cache equal their
     shipped folders byte for byte; the others are checked by the same command (`python -m tiny.shipped verify`,
-    about 80 CPU minutes), run when they are saved."""
+    about 90 CPU minutes), run when they are saved."""
     result = subprocess.run([sys.executable, "-m", "tiny.shipped", "verify", "--only", "tiny-sft", "tiny-reasoner",
                              "tiny-planner", "--cache_dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True,
                             text=True)
@@ -100,7 +100,7 @@ def test_the_cheap_builds_retrain_to_the_shipped_bytes(tmp_path):
 
 @pytest.mark.build
 def test_every_shipped_build_retrains_to_its_bytes(tmp_path):
-    """All eight shipped builds retrained in an empty cache (about 80 CPU minutes): `make test-build` only."""
+    """All eight shipped builds retrained in an empty cache (about 90 CPU minutes): `make test-build` only."""
     result = subprocess.run([sys.executable, "-m", "tiny.shipped", "verify", "--cache_dir", str(tmp_path / "cache")],
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -129,3 +129,34 @@ def test_with_eye_takes_the_vision_tower_and_nothing_else(tmp_path):
     assert (tmp_path / "out" / "config.json").read_text() == "planner"  # the planner's config and tokenizer
     with pytest.raises(ValueError, match="does not match"):
         with_eye(folder("planner2", 1.0), folder("other", 2.0, vision_shape=(3, 2)), str(tmp_path / "out2"))
+
+
+def test_the_reflector_trains_on_from_the_describer_and_its_key_follows_the_describer(monkeypatch):
+    """tiny-reflector's SFT starts from tiny-describer's checkpoint (describe first, then reflect), on drafts of a seed
+    of their own; a changed describe recipe or describe rows rename the reflector's build too."""
+    from tiny import cache
+
+    calls = {}
+
+    def trained(name, recipe, spec, args=()):
+        with open(recipe) as f:
+            spec = {"recipe": f.read(), **spec}
+        calls[name] = dict(recipe=recipe, spec=spec, args=args() if callable(args) else args)
+        calls[name]["path"] = f"/cache/{name}-{cache._key(calls[name]['spec'])}/checkpoint-4000"
+        return calls[name]["path"]
+
+    monkeypatch.setattr(cache, "_trained", trained)
+    monkeypatch.setattr(cache, "cached", lambda name, spec, build: f"/cache/{name}-{cache._key(spec)}")
+    cache.tiny_reflector_path()
+    describer, reflector = calls["tiny-describer"], calls["tiny-reflector"]
+    assert describer["recipe"] == cache.TINY_DESCRIBER_RECIPE and reflector["recipe"] == cache.TINY_REFLECTOR_RECIPE
+    assert reflector["args"][:2] == ["--model_name_or_path", describer["path"]]
+    assert describer["args"][1].startswith("/cache/planner-eye-")
+    assert describer["args"][3].startswith("/cache/describe-rows-")
+    assert reflector["spec"]["tiny-describer"] == describer["spec"]
+    # the describe drafts are neither the reflect rows it is then trained on nor the held-out ones
+    assert cache.DESCRIBE_ROWS["seed"] not in {s["seed"] for s in cache.REFLECT_SPLITS.values()}
+    before = cache._key(reflector["spec"])
+    monkeypatch.setattr(cache, "DESCRIBE_ROWS", dict(cache.DESCRIBE_ROWS, n=16))
+    cache.tiny_reflector_path()
+    assert cache._key(calls["tiny-reflector"]["spec"]) != before

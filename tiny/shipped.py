@@ -1,5 +1,5 @@
 """The tiny models that take minutes to train, shipped in the repository (tiny/weights/) so a fresh clone's first
-run copies them into the cache instead of training them (about 80 CPU minutes of builds on a 2-core machine).
+run copies them into the cache instead of training them (about 90 CPU minutes of builds on a 2-core machine).
 
 Each shipped folder is named exactly as the cache names the build (`<name>-<key>`, the key hashing the recipe, the
 config and the source of the rows it was trained on), so weights built from other code are never used: a changed
