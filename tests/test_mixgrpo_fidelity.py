@@ -356,6 +356,37 @@ def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, 
     assert (result["tag_counting"] + result["tag_color"]) / 2 == pytest.approx(result["reward"])
 
 
+def test_eval_refine_draws_only_the_edited_images_each_from_its_own_noise(tiny, monkeypatch):
+    """A reflection that says "no further edit" keeps its image without drawing it again; an edited image gets the
+    noise of its own id, so it comes out as when every image in the batch is edited."""
+    import numpy as np
+    from PIL import Image
+
+    parts = build(tiny)
+    cfg = replace(parts["cfg"], reflect_refine=True, eval_num_timesteps=3)
+    drafts = [Image.new("RGB", (cfg.image_size, cfg.image_size), "white") for _ in range(2)]  # only the noise differs
+    real_sample, drawn = mixgrpo_eval.sample, []
+
+    def counted(gen, cond, **kw):
+        drawn.append(cond.batch_size)
+        return real_sample(gen, cond, **kw)
+
+    def refine(answers):
+        monkeypatch.setattr(mixgrpo_eval, "greedy_texts", lambda *a, **kw: list(answers))
+        return mixgrpo_eval.refine_heldout(cfg, tiny["rows"], [0, 1], drafts, parts["gen"], tiny["accelerator"],
+                                           noise_ids=[11, 12], policy=parts["policy"], processor=parts["processor"],
+                                           stop_ids=parts["stop"], suppress_ids=parts["suppress"])
+
+    monkeypatch.setattr(mixgrpo_eval, "sample", counted)
+    edit = "<think>x</think> add a circle"
+    _, both, _ = refine([edit, edit])
+    _, second, no_edit = refine(["<think>ok</think> no further edit needed", edit])
+    assert drawn == [2, 1] and no_edit == [True, False]
+    assert second[0] is drafts[0]
+    diff = np.abs(np.asarray(second[1], dtype=float) - np.asarray(both[1], dtype=float))
+    assert diff.max() <= 2 and not np.array_equal(np.asarray(both[0]), np.asarray(both[1]))
+
+
 def test_refine_change_counts_perfect_drafts_made_worse_among_perfect_drafts_only():
     from utils.mixgrpo_eval import heldout_lines, refine_change, scored_mean
 

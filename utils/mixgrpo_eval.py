@@ -45,14 +45,19 @@ def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_ids, **
     texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
                          accelerator=accelerator, **generate)
     parsed = [reflection_of(t) for t in texts]
-    cond = image_condition(cfg, gen, batch_rows, [instruction for _, instruction, _ in parsed], images)
-    noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
-        device=accelerator.device).manual_seed(cfg.seed + 7919 + n)) for n in noise_ids])
-    out = sample(gen, cond, num_steps=cfg.eval_num_timesteps,
-                 guidance=edit_guidance(cfg), shift=cfg.timestep_shift,
-                 latents=noise, output_type="pil")
     no_edit = [keep for _, _, keep in parsed]
-    return texts, [im if keep else new for im, new, keep in zip(images, out.images, no_edit)], no_edit
+    edit = [k for k, keep in enumerate(no_edit) if not keep]  # a kept image is not drawn again
+    refined = list(images)
+    if edit:
+        cond = image_condition(cfg, gen, [batch_rows[k] for k in edit], [parsed[k][1] for k in edit],
+                               [images[k] for k in edit])
+        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
+            device=accelerator.device).manual_seed(cfg.seed + 7919 + noise_ids[k])) for k in edit])
+        out = sample(gen, cond, num_steps=cfg.eval_num_timesteps, guidance=edit_guidance(cfg),
+                     shift=cfg.timestep_shift, latents=noise, output_type="pil")
+        for k, image in zip(edit, out.images):
+            refined[k] = image
+    return texts, refined, no_edit
 
 
 def refine_rounds(cfg, rows, row_ids, image_ids, images, scores, details, *, reward_fn, gen, accelerator,
