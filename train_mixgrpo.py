@@ -311,32 +311,31 @@ def sde_window(cfg, step):
 
 
 def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_steps, sde_range, enable_sde,
-                  noise_level, guidance, window=None):
+                  noise_level, guidance, window=None, draw=None):
     """Images for each prompt's share: the group shares the initial noise and one SDE step index (uniform in
     [0, sde_range)), or with `window` (MixGRPO) the window's SDE steps; each rollout has its own SDE noise; every
-    other step is ODE. Returns (PIL images, steps, first SDE step index per image, image of each step): steps
-    are ordered window position first, then image, so `step_image` maps each recorded step to its image."""
+    other step is ODE. The rollouts listed in `draw` (default: all) are drawn in one batch, each as it would be
+    alone; `cond` holds their conditions, in `draw` order. Returns (PIL images of the drawn rollouts, steps, first
+    SDE step index per rollout, the rollout of each step): steps are ordered window position first, then image."""
     per = cfg.group_size // cfg.policy_group_size
-    images, by_position, sde_index = [], [[] for _ in window or [0]], []
-    for k, q in enumerate(prompt_ids):
-        part = torch.arange(k * per, (k + 1) * per)
+    draw = list(range(len(prompt_ids) * per)) if draw is None else list(draw)
+    noise, sde_steps = [], []
+    for q in prompt_ids:
         noise_gen = torch.Generator(device=device).manual_seed(int(seeds_for(cfg.seed, 1, step, [q])[0]))
-        noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen)] * per)  # any layout
+        noise.append(gen.prepare_latents(1, cfg.image_size, cfg.image_size, noise_gen))  # any layout
         pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 2, step, [q])[0]))
-        sde_steps = list(window) if window else [int(torch.randint(0, sde_range, (1,), generator=pick))]
-        out = sample(gen, cond.select(part), num_steps=num_steps, sde_steps=sde_steps if enable_sde else [],
-                     guidance=guidance, noise_level=noise_level, noise_cap=cfg.noise_cap, shift=cfg.timestep_shift,
-                     generator=torch_generators(seeds_for(cfg.seed, 3, step, global_ids[k * per:(k + 1) * per]),
-                                                device),
-                     latents=noise, output_type="pil")
-        images += out.images
-        for position, recorded in zip(by_position, out.steps):
-            position.append(recorded)
-        sde_index += [sde_steps[0]] * per
-    steps = [recorded for position in by_position for recorded in position]
-    step_image = torch.arange(len(images)).repeat(len(steps) // len(prompt_ids)) if steps else None
-    return (images, (SDEStep.cat(steps) if steps else None), torch.tensor(sde_index, dtype=torch.float32),
-            step_image)
+        sde_steps.append(list(window) if window else [int(torch.randint(0, sde_range, (1,), generator=pick))])
+    sde_index = torch.tensor([sde_steps[r // per][0] for r in range(len(prompt_ids) * per)], dtype=torch.float32)
+    if not draw:
+        return [], None, sde_index, None
+    out = sample(gen, cond, num_steps=num_steps,
+                 sde_steps=[sde_steps[r // per] for r in draw] if enable_sde else [], guidance=guidance,
+                 noise_level=noise_level, noise_cap=cfg.noise_cap, shift=cfg.timestep_shift,
+                 generator=torch_generators(seeds_for(cfg.seed, 3, step, [global_ids[r] for r in draw]), device),
+                 latents=torch.cat([noise[r // per] for r in draw]), output_type="pil")
+    if not out.steps:
+        return out.images, None, sde_index, None
+    return out.images, SDEStep.cat(out.steps), sde_index, torch.tensor(draw).repeat(len(out.steps))
 
 
 def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, processor, gen, accelerator, stop_ids,
@@ -361,9 +360,9 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
     scores = score_images(cfg, reward_fn, roll["texts"], images, local_rows)
     formats = torch.tensor([f for f, _ in parsed])
     text_r, image_r = reason_rewards(scores, formats, cfg.format_weight)
-    return dict(roll, stage="reason", images=images, cond=cond.detach(), steps=steps, scores=scores,
-                formats=formats, sde_index=sde_index, step_image=step_image, rows=local_rows, text_rewards=text_r,
-                image_rewards=image_r, image_mask=torch.ones(len(images)))
+    return dict(roll, stage="reason", images=images, cond=cond.detach(), drawn=list(range(len(images))), steps=steps,
+                scores=scores, formats=formats, sde_index=sde_index, step_image=step_image, rows=local_rows,
+                text_rewards=text_r, image_rewards=image_r, image_mask=torch.ones(len(images)))
 
 
 def build_buffer(accelerator, roll):
@@ -402,23 +401,29 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
                         accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
                         sample_ids=[f"buffer entry {e['id']}" for e in local])
     parsed = [reflection_of(t) for t in roll["texts"]]
-    cond = image_condition(cfg, gen, rows, [instruction for _, instruction, _ in parsed], [e["image"] for e in local])
-    images, steps, sde_index, step_image = image_rollout(
+    no_edit = torch.tensor([keep for _, _, keep in parsed])
+    edited = [i for i, keep in enumerate(no_edit.tolist()) if not keep]
+    # A kept image is not drawn again; with no edit at all one image still is (and trained with advantage 0), so
+    # every process runs the generator (ZeRO-3 gathers its weights in a collective).
+    draw = edited or [0]
+    cond = image_condition(cfg, gen, [rows[i] for i in draw], [parsed[i][1] for i in draw],
+                           [local[i]["image"] for i in draw])
+    drawn, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
         num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
         enable_sde=cfg.enable_sde_edit, noise_level=cfg.noise_level_edit,
-        guidance=edit_guidance(cfg))
-    no_edit = torch.tensor([keep for _, _, keep in parsed])
-    images = [e["image"] if keep else im for e, im, keep in zip(local, images, no_edit.tolist())]
+        guidance=edit_guidance(cfg), draw=draw)
+    images = [e["image"] for e in local]
+    for i, image in zip(edited, drawn):
+        images[i] = image
     prev = torch.tensor([e["score"] for e in local])
     scores = prev.clone()
-    edited = [i for i, keep in enumerate(no_edit.tolist()) if not keep]
     if edited:
         scores[edited] = score_images(cfg, reward_fn, [roll["texts"][i] for i in edited], [images[i] for i in edited],
                                       [rows[i] for i in edited])
     formats = torch.tensor([f for f, _, _ in parsed])
     text_r, image_r = reflect_rewards(scores, prev, formats, no_edit, cfg.format_weight)
-    return dict(roll, stage="reflect", images=images, cond=cond.detach(), steps=steps, scores=scores,
+    return dict(roll, stage="reflect", images=images, cond=cond.detach(), drawn=draw, steps=steps, scores=scores,
                 formats=formats, sde_index=sde_index, step_image=step_image, rows=rows, text_rewards=text_r,
                 image_rewards=image_r, image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
 
@@ -433,8 +438,10 @@ def gather_by_index(accelerator, values, global_ids, total):
 
 
 def step_condition(roll):
-    """The rollout's condition with one row per recorded SDE step (a window records several per image)."""
-    return roll["cond"].select(roll["step_image"])
+    """The rollout's condition with one row per recorded SDE step (a window records several per image); `cond` holds
+    the drawn rollouts' conditions, in `drawn` order."""
+    row = {r: k for k, r in enumerate(roll["drawn"])}
+    return roll["cond"].select([row[int(r)] for r in roll["step_image"]])
 
 
 def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
@@ -461,7 +468,8 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
         steps, of = roll["steps"], roll["step_image"]
         logp, mean, std = out["image"]
         ones = roll["image_mask"][of].to(logp)[:, None]  # refine samples without an edit are not trained
-        n = torch.tensor(float(n_images * (len(of) // len(roll["images"]))), device=logp.device)
+        per_image = len(of) // len(of.unique())  # SDE steps recorded per drawn image (a window's W)
+        n = torch.tensor(float(n_images * per_image), device=logp.device)
         adv = adv_image[of.to(adv_image.device)]  # each recorded step carries its image's advantage
         surrogate, st = clipped_policy_loss(logp[:, None], steps.log_prob[:, None], adv, ones,
                                             epsilon_low=cfg.clip_range_image, loss_type="dapo",

@@ -253,6 +253,32 @@ def test_ode_trajectory_unchanged_before_sde_step(qwen_dir):
     _close(ode_steps.latents, ode.latents, atol=1e-4)
 
 
+def test_per_sample_sde_steps_draw_each_sample_as_it_would_be_drawn_alone(qwen_dir):
+    gen = QwenImageGenerator.from_pretrained(qwen_dir)
+    cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)
+    noise = gen.prepare_latents(2, SIZE, SIZE, _gen())
+    kw = dict(num_steps=5, guidance=Guidance(scale=4.0, interval=(0.4, 1.0)), output_type=None)
+    both = sample(gen, cond, sde_steps=[[3, 0], [1, 3]], latents=noise, generator=[_gen(1), _gen(2)], **kw)
+    for b, (sde, seed) in enumerate([([0, 3], 1), ([1, 3], 2)]):
+        alone = sample(gen, cond.select([b]), sde_steps=sde, latents=noise[b:b + 1], generator=[_gen(seed)], **kw)
+        _close(both.latents[b:b + 1], alone.latents, atol=1e-5)
+        for position, step in enumerate(alone.steps):  # the batch's k-th steps are each sample's k-th step
+            mine = both.steps[position].select([b])
+            assert mine.index.tolist() == [sde[position]]
+            for name in ("latents", "next_latents", "mean", "std", "log_prob", "sigma", "timestep"):
+                _close(getattr(mine, name), getattr(step, name), atol=1e-5)
+    assert [s.index.tolist() for s in both.steps] == [[0, 1], [3, 3]]
+    # a shared list is every sample's: one record per step over the whole batch, as the per-sample form gives
+    shared = sample(gen, cond, sde_steps=[1, 3], latents=noise, generator=[_gen(1), _gen(2)], **kw)
+    listed = sample(gen, cond, sde_steps=[[1, 3], [3, 1]], latents=noise, generator=[_gen(1), _gen(2)], **kw)
+    assert [s.index.tolist() for s in shared.steps] == [[1, 1], [3, 3]]
+    _close(listed.latents, shared.latents, atol=0)
+    with pytest.raises(ValueError, match="as many SDE steps"):
+        sample(gen, cond, sde_steps=[[1], [1, 3]], latents=noise, **kw)
+    with pytest.raises(ValueError, match="2 lists of SDE steps for a batch of 1"):
+        sample(gen, cond.select([0]), sde_steps=[[1], [3]], latents=noise[:1], **kw)
+
+
 def test_guidance_interval_and_schedule_shift(qwen_dir):
     gen = QwenImageGenerator.from_pretrained(qwen_dir)
     cond = gen.encode_condition(PROMPTS, height=SIZE, width=SIZE, max_sequence_length=128)

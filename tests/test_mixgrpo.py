@@ -212,6 +212,42 @@ def test_rollout_shares_noise_and_sde_step_within_a_prompt_and_varies_the_rest(t
     assert not torch.equal(steps.next_latents[0], steps.next_latents[1])
 
 
+def calls(gen, fn):
+    """How many times `fn()` calls gen.velocity."""
+    real, count = gen.velocity, []
+    gen.velocity = lambda *a, **k: count.append(1) or real(*a, **k)
+    try:
+        fn()
+    finally:
+        del gen.velocity
+    return len(count)
+
+
+def pil_tensor(image):
+    return torch.tensor(list(image.getdata()), dtype=torch.float32) / 255
+
+
+def test_image_rollout_draws_all_prompts_in_one_batch_and_any_subset_as_the_whole(tiny):
+    cfg, gen = tiny["cfg"], tiny["gen"]
+    roll = rollout(tiny)
+    kw = dict(gen=gen, device="cpu", num_steps=cfg.num_timesteps_gen, sde_range=cfg.num_timesteps_gen - 1,
+              enable_sde=True, noise_level=cfg.noise_level_gen, guidance=tm.Guidance(cfg.cfg_scale_gen))
+    # a training step whose two prompts take different SDE steps (seeded, so the same one on every run)
+    step = next(s for s in range(1, 20) if len(set(tm.image_rollout(
+        cfg, s, [0, 1], None, roll["global_ids"], draw=[], **kw)[2].tolist())) == 2)
+    images, steps, sde_index, of = tm.image_rollout(cfg, step, [0, 1], roll["cond"], roll["global_ids"], **kw)
+    assert steps.index.tolist() == sde_index.tolist() and of.tolist() == list(range(8))
+    assert calls(gen, lambda: tm.image_rollout(cfg, step, [0, 1], roll["cond"], roll["global_ids"], **kw)) == \
+        cfg.num_timesteps_gen  # one batch: a velocity call per flow step, not per prompt
+    some, some_steps, some_index, some_of = tm.image_rollout(cfg, step, [0, 1], roll["cond"].select([6, 1]),
+                                                             roll["global_ids"], draw=[6, 1], **kw)
+    assert some_of.tolist() == [6, 1] and torch.equal(some_index, sde_index)
+    for k, r in enumerate([6, 1]):
+        assert torch.allclose(pil_tensor(some[k]), pil_tensor(images[r]), atol=1 / 255)
+        assert torch.allclose(some_steps.next_latents[k], steps.next_latents[r], atol=1e-5)
+        assert torch.allclose(some_steps.log_prob[k], steps.log_prob[r], atol=1e-5)
+
+
 def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
     cfg = tiny["cfg"]
     roll = rollout(tiny)
@@ -302,11 +338,13 @@ def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_im
     for i, im in enumerate(roll["images"]):
         assert (id(im) in inputs) == bool(keep[i])  # kept: the very input image; edited: a new one
     assert torch.equal(roll["scores"][keep], roll["score_prev"][keep])
-    # the refine SDE step is one of the first max_sde_timestep_idx_for_edit steps, shared by the prompt's group
+    # only the edited rollouts are drawn and trained; the refine SDE step is one of the first
+    # max_sde_timestep_idx_for_edit steps, shared by the prompt's group
+    assert roll["step_image"].tolist() == [1, 3, 5, 7]
     assert roll["steps"].index.max() < cfg.max_sde_timestep_idx_for_edit
-    assert roll["steps"].index[:4].unique().numel() == 1
+    assert roll["steps"].index[:2].unique().numel() == 1 and roll["steps"].index[2:].unique().numel() == 1
     # the edit went through the image-conditioned path: the input image's latents join the sequence
-    assert roll["cond"].image_latents is not None
+    assert roll["cond"].image_latents is not None and roll["cond"].batch_size == 4  # the edited rollouts' only
     # ratio 1 at unchanged weights on the refine step too, and no image loss for the kept samples
     adv = torch.linspace(-1, 1, 8)
     _, stats = tm.mixgrpo_loss(replace(cfg, kl_weight_text=0.0), tm.MixGRPOModel(tiny["policy"], tiny["gen"]), roll,
@@ -314,6 +352,35 @@ def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_im
                                ref_logps=None, ref_mean=None, text_tokens=roll["mask"].sum().float(), n_images=8,
                                world=1)
     assert stats["ratio_max_dev_image"] < 1e-5 and stats["ratio_max_dev_text"] < 1e-5
+
+
+def test_refine_rollout_without_any_edit_still_runs_the_generator_on_one_image_and_trains_nothing(tiny, monkeypatch):
+    cfg, gen = tiny["cfg"], tiny["gen"]
+    reason = rollout(tiny)
+    buffer = dict(perfect=[], imperfect=[dict(id=i, row=r, score=0.5, image=im)
+                                         for i, (r, im) in enumerate(zip(reason["rows"], reason["images"]))])
+    real = tm.text_rollout
+
+    def keeps(*args, **kw):  # the random tiny VLM never writes a reflection: every rollout keeps its image
+        out = real(*args, **kw)
+        return dict(out, texts=["<think>fine</think> no further edit needed"] * len(out["texts"]))
+
+    monkeypatch.setattr(tm, "text_rollout", keeps)
+    roll = tm.reflect_rollout(cfg, 1, [0, 1], buffer, rank_in_group=0, policy=tiny["policy"],
+                              processor=tiny["processor"], gen=gen, accelerator=tiny["accelerator"],
+                              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
+                              reward_fn=tm.build_image_reward(cfg))
+    # one image is drawn (every process calls the generator: ZeRO-3's gathers are collective) and thrown away
+    assert roll["step_image"].tolist() == [0] and roll["image_mask"].tolist() == [0.0] * 8
+    inputs = {id(e["image"]) for e in buffer["imperfect"]}
+    assert all(id(im) in inputs for im in roll["images"])
+    adv = torch.linspace(-1, 1, 8)
+    loss, stats = tm.mixgrpo_loss(replace(cfg, tune_text_cot=False), tm.MixGRPOModel(tiny["policy"], gen), roll,
+                                  adv, adv * roll["image_mask"], ref_logps=None, ref_mean=None,
+                                  text_tokens=roll["mask"].sum().float(), n_images=8, world=1)
+    lora = [p for p in gen.transformer.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, lora, allow_unused=True)
+    assert loss.item() == 0 and all(g is None or not g.any() for g in grads)
 
 
 def test_refine_with_its_own_edit_generator_trains_that_generator_with_image_cfg(tiny, monkeypatch):

@@ -328,47 +328,65 @@ def edit_start(num_steps, strength):
     return int(max(num_steps - min(num_steps * strength, num_steps), 0))
 
 
+def _sde_rows(sde_steps, batch):
+    """Each sample's sorted SDE steps: `sde_steps` is one list for the batch, or one per sample (all of one length)."""
+    listed = any(isinstance(s, (list, tuple)) or (torch.is_tensor(s) and s.ndim > 0) for s in sde_steps)
+    rows = [sorted({int(i) for i in s}) for s in sde_steps] if listed else [sorted({int(i) for i in sde_steps})] * batch
+    if len(rows) != batch or len({len(r) for r in rows}) > 1:
+        raise ValueError(f"sde_steps: {len(rows)} lists of SDE steps for a batch of {batch}, each needs as many SDE "
+                         f"steps (got {sorted({len(r) for r in rows})})")
+    return rows
+
+
 @torch.no_grad()
 def sample(gen, cond, *, num_steps, sde_steps=(), guidance=None, noise_level=0.7, noise_cap="flow_grpo",
            shift=None, generator=None, latents=None, edit_strength=0.6, output_type="pt"):
-    """Draw cond.batch_size images: ODE steps except at the step indices in `sde_steps` (R3: one index shared by
-    a group; MixGRPO: a sliding window), which are SDE steps whose transitions are recorded for training.
+    """Draw cond.batch_size images: ODE steps except at the step indices in `sde_steps`, SDE steps whose transitions
+    are recorded for training. `sde_steps`: one list for the batch (MixGRPO: a sliding window), or one per sample,
+    all of one length (R3: one index per prompt group, so groups with different SDE steps share a batch).
 
-    guidance: a Guidance (None = no CFG). noise_cap: "flow_grpo" | "r3" (std_t rule, see utils.flow.sde).
-    shift: a fixed timestep shift instead of the pipeline's own. generator: a torch.Generator or one per sample,
-    for the initial noise (unless `latents` is given) and the SDE noise. A condition with init_latents (SDEdit
-    refine) starts at edit_start(num_steps, edit_strength) from the previous image re-noised to that sigma.
-    output_type: "pt" | "pil" | "np" | None (no decode).
-    """
+    guidance: a Guidance (None = no CFG). noise_cap: "flow_grpo" | "r3" (std_t rule, see utils.flow.sde). shift: a
+    fixed timestep shift instead of the pipeline's own. generator: a torch.Generator or one per sample (a sample's
+    noise then does not depend on the batch), for the initial noise (unless `latents` is given) and the SDE noise.
+    A condition with init_latents (SDEdit refine) starts at edit_start(num_steps, edit_strength) from the previous
+    image re-noised to that sigma. output_type: "pt" | "pil" | "np" | None (no decode). The result's `steps`: one
+    SDEStep per SDE step of a sample (its first, second, ...), each over the whole batch."""
     batch = cond.batch_size
     noise = latents if latents is not None else gen.prepare_latents(batch, cond.height, cond.width, generator)
     noise = noise.to(gen.device, torch.float32)
     timesteps, sigmas = gen.schedule(num_steps, noise, shift=shift)
-    start = 0
-    x = noise
+    start, x = 0, noise
     if cond.init_latents is not None:
         start = edit_start(num_steps, edit_strength)
         sigma0 = sigmas[start]  # the scheduler's scale_noise: sigma * noise + (1 - sigma) * image
         x = sigma0 * noise + (1 - sigma0) * cond.init_latents.to(noise)
-    sde_steps = sorted(set(int(i) for i in sde_steps))
-    if any(i < start or i >= num_steps for i in sde_steps):
+    rows = _sde_rows(sde_steps, batch)
+    if any(i < start or i >= num_steps for r in rows for i in r):
         raise ValueError(f"sde_steps {sde_steps} must lie in [{start}, {num_steps})")
-    steps = []
+    recorded = [[] for _ in range(batch)]  # each sample's SDE steps in order: (record, its row in the record)
+    kept_guidance = guidance if guidance is not None else Guidance(scale=1.0)
     for i in range(start, num_steps):
         t = timesteps[i].expand(batch)
         v = gen.velocity(x, t, cond, guidance)
-        if i in sde_steps:
+        x_next = ode_step(v, x, sigmas[i], sigmas[i + 1])
+        sde = [b for b in range(batch) if i in rows[b]]
+        if sde:  # these samples take an SDE step instead, each with its own generator's noise
+            n, pick = len(sde), torch.tensor(sde, device=x.device)
+            gens = [generator[b] for b in sde] if isinstance(generator, (list, tuple)) else generator
             std_t = sde_std_t(sigmas[i], noise_level=noise_level, sigma_max=sigmas[1], noise_cap=noise_cap)
-            x_next, log_prob, mean, std = sde_step_from_std(v, x, sigmas[i], sigmas[i + 1], std_t,
-                                                            generator=generator)
-            steps.append(SDEStep(
-                index=torch.full((batch,), i, device=x.device), timestep=t.clone(), sigma=sigmas[i].expand(batch),
-                sigma_next=sigmas[i + 1].expand(batch), std_t=std_t.to(x.device).expand(batch), latents=x,
-                next_latents=x_next, mean=mean, std=std.reshape(batch), log_prob=log_prob,
-                guidance=guidance if guidance is not None else Guidance(scale=1.0)))
-        else:
-            x_next = ode_step(v, x, sigmas[i], sigmas[i + 1])
+            x_sde, log_prob, mean, std = sde_step_from_std(v[pick], x[pick], sigmas[i], sigmas[i + 1], std_t,
+                                                           generator=gens)
+            record = SDEStep(
+                index=torch.full((n,), i, device=x.device), timestep=t[:n].clone(), sigma=sigmas[i].expand(n),
+                sigma_next=sigmas[i + 1].expand(n), std_t=std_t.to(x.device).expand(n), latents=x[pick],
+                next_latents=x_sde, mean=mean, std=std.reshape(n), log_prob=log_prob, guidance=kept_guidance)
+            recorded = [mine + [(record, sde.index(b))] if b in sde else mine for b, mine in enumerate(recorded)]
+            x_next[pick] = x_sde.to(x_next.dtype)
         x = x_next
+    steps = []
+    for parts in zip(*recorded):  # every sample's k-th SDE step, in batch order
+        whole = all(r is parts[0][0] and j == b for b, (r, j) in enumerate(parts)) and len(parts[0][0].index) == batch
+        steps.append(parts[0][0] if whole else SDEStep.cat([r.select([j]) for r, j in parts]))
     images = None if output_type is None else gen.decode(x, cond.height, cond.width, output_type=output_type)
     return FlowSample(images=images, latents=x, steps=steps, timesteps=timesteps, sigmas=sigmas, noise=noise)
 
