@@ -408,13 +408,13 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
     draw = edited or [0]
     cond = image_condition(cfg, gen, [rows[i] for i in draw], [parsed[i][1] for i in draw],
                            [local[i]["image"] for i in draw])
-    drawn, steps, sde_index, step_image = image_rollout(
+    refined, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device,
         num_steps=cfg.num_timesteps_edit, sde_range=cfg.max_sde_timestep_idx_for_edit,
         enable_sde=cfg.enable_sde_edit, noise_level=cfg.noise_level_edit,
         guidance=edit_guidance(cfg), draw=draw)
     images = [e["image"] for e in local]
-    for i, image in zip(edited, drawn):
+    for i, image in zip(edited, refined):
         images[i] = image
     prev = torch.tensor([e["score"] for e in local])
     scores = prev.clone()
