@@ -364,7 +364,6 @@ def sample(gen, cond, *, num_steps, sde_steps=(), guidance=None, noise_level=0.7
     if any(i < start or i >= num_steps for r in rows for i in r):
         raise ValueError(f"sde_steps {sde_steps} must lie in [{start}, {num_steps})")
     recorded = [[] for _ in range(batch)]  # each sample's SDE steps in order: (record, its row in the record)
-    kept_guidance = guidance if guidance is not None else Guidance(scale=1.0)
     for i in range(start, num_steps):
         t = timesteps[i].expand(batch)
         v = gen.velocity(x, t, cond, guidance)
@@ -377,15 +376,16 @@ def sample(gen, cond, *, num_steps, sde_steps=(), guidance=None, noise_level=0.7
             x_sde, log_prob, mean, std = sde_step_from_std(v[pick], x[pick], sigmas[i], sigmas[i + 1], std_t,
                                                            generator=gens)
             record = SDEStep(
-                index=torch.full((n,), i, device=x.device), timestep=t[:n].clone(), sigma=sigmas[i].expand(n),
-                sigma_next=sigmas[i + 1].expand(n), std_t=std_t.to(x.device).expand(n), latents=x[pick],
-                next_latents=x_sde, mean=mean, std=std.reshape(n), log_prob=log_prob, guidance=kept_guidance)
-            recorded = [mine + [(record, sde.index(b))] if b in sde else mine for b, mine in enumerate(recorded)]
+                index=torch.full_like(pick, i), timestep=t[:n].clone(), sigma=sigmas[i].expand(n), latents=x[pick],
+                sigma_next=sigmas[i + 1].expand(n), std_t=std_t.to(x.device).expand(n), next_latents=x_sde, mean=mean,
+                std=std.reshape(n), log_prob=log_prob, guidance=guidance or Guidance(scale=1.0))
+            for j, b in enumerate(sde):
+                recorded[b].append((record, j))
             x_next[pick] = x_sde.to(x_next.dtype)
         x = x_next
     steps = []
     for parts in zip(*recorded):  # every sample's k-th SDE step, in batch order
-        whole = all(r is parts[0][0] and j == b for b, (r, j) in enumerate(parts)) and len(parts[0][0].index) == batch
+        whole = all(r is parts[0][0] and j == b for b, (r, j) in enumerate(parts))  # one record of every sample
         steps.append(parts[0][0] if whole else SDEStep.cat([r.select([j]) for r, j in parts]))
     images = None if output_type is None else gen.decode(x, cond.height, cond.width, output_type=output_type)
     return FlowSample(images=images, latents=x, steps=steps, timesteps=timesteps, sigmas=sigmas, noise=noise)
