@@ -51,4 +51,4 @@ test-build: lint
 
 # docs/flags.md is generated from the config dataclasses; tests/test_docs.py fails when it is stale.
 docs: install
-	$(PY) -m utils.config docs/flags.md $(FLAG_SOURCES)
+	$(PY) -m utils.core.config docs/flags.md $(FLAG_SOURCES)

@@ -9,7 +9,7 @@ from caption + question, keep one correct chain, cut its reflections, and write 
 Per question: a caption (a local VLM, an OpenAI-compatible endpoint, or a column of the data), k chains
 (`--num_chains`) from the reasoner endpoint (or, with `--chain_source model`, k answers of the VLM itself from
 the image), graded (math-verify, then CRYSTAL's answer rules), one correct chain kept (`--select`), reflections
-cut ("Wait", "But wait", "But the question"), chains over `--max_words` dropped (utils/chains.py).
+cut ("Wait", "But wait", "But the question"), chains over `--max_words` dropped (utils/eval/chains.py).
 
 Output in --output_dir: `sft.jsonl` (sharegpt rows: system, `<image>` + question, the chain; images saved
 under `images/` or referenced where they are), `drops.jsonl` (one line per dropped question and why),
@@ -34,12 +34,12 @@ from typing import Optional
 import PIL.Image
 
 from tiny.cache import REPO, TINY_DATASET, resolve_dataset, resolve_tiny_name
-from utils.chains import DROP_REASONS, REFLECTION_MARKERS, SELECT_RULES, Grader, filter_chains
-from utils.config import ConfigError, choice, parse_config, save_config
-from utils.data import IMAGE_MARKER, images_of, load_vqa, render_question
-from utils.errors import exit_on_bad_input
-from utils.launch import set_cpu_threads
-from utils.prompts import CAPTION_PROMPT, REASONER_PROMPT, SYSTEM_PROMPTS
+from utils.core.config import ConfigError, choice, parse_config, save_config
+from utils.core.data import IMAGE_MARKER, images_of, load_vqa, render_question
+from utils.core.errors import exit_on_bad_input
+from utils.core.launch import set_cpu_threads
+from utils.core.prompts import CAPTION_PROMPT, REASONER_PROMPT, SYSTEM_PROMPTS
+from utils.eval.chains import DROP_REASONS, REFLECTION_MARKERS, SELECT_RULES, Grader, filter_chains
 
 TINY_DISTILL_RECIPE = os.path.join(REPO, "recipes", "tiny_distill.yaml")
 SFT_FILE, DROPS_FILE, SUMMARY_FILE = "sft.jsonl", "drops.jsonl", "summary.json"
@@ -144,7 +144,7 @@ def validate(cfg):
     serve = ("--reasoner_serve" if cfg.chain_source == "reasoner" and cfg.reasoner_serve else
              "--model_serve" if cfg.chain_source == "model" and cfg.model_serve else None)
     if serve:
-        from utils.serving import serving_problem
+        from utils.core.serving import serving_problem
 
         problem = serving_problem(f"distill.py {serve}")
         if problem:  # refused here, before any model is built or loaded
@@ -291,7 +291,7 @@ def client(cfg, base_url, model, *, temperature, max_tokens):
 def load_local(name):
     import torch
 
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(resolve_tiny_name(name))
     model.to("cuda" if torch.cuda.is_available() else "cpu")
@@ -302,7 +302,7 @@ def local_answers(model, processor, rows, *, prompt_template, max_new_tokens, ba
                   seed=0, question=None):
     """k completions per row from a local model (greedy when temperature <= 0), rows in order; `question`
     replaces every row's question (and drops its choices), e.g. the caption prompt."""
-    from utils.evaluation import generate_answers
+    from utils.eval.heldout import generate_answers
 
     repeated = [dict(r, question=question, choices=None) if question else r for r in rows for _ in range(k)]
     texts = generate_answers(model, processor, repeated, prompt_template=prompt_template, batch_size=batch_size,
@@ -382,7 +382,7 @@ def distill_with_endpoint(cfg, dataset, todo, writer, base_url, served):
 
 def serve(cfg, model, log_name):
     """`transformers serve` of a local model folder on 127.0.0.1 for this run (its log in --output_dir)."""
-    from utils.serving import LocalServer
+    from utils.core.serving import LocalServer
 
     return LocalServer(resolve_tiny_name(model), threads=cfg.cpu_threads,
                        log_path=os.path.join(cfg.output_dir, log_name)).start()

@@ -30,12 +30,14 @@ from typing import Optional
 import torch
 
 from tiny.cache import TINY_DATASET, resolve_dataset
-from utils.benchmarks import GROUP_BY as BENCHMARK_GROUPS
-from utils.config import choice, config_to_dict, parse_config
-from utils.data import load_vqa, render_question
-from utils.errors import exit_on_bad_input
-from utils.evaluation import generate_answers, generate_answers_remote
-from utils.grading import (
+from utils.core.config import choice, config_to_dict, parse_config
+from utils.core.data import load_vqa, render_question
+from utils.core.errors import exit_on_bad_input
+from utils.core.launch import set_cpu_threads
+from utils.core.prompts import PROMPT_TEMPLATES
+from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
+from utils.eval.benchmarks import GROUP_BY as BENCHMARK_GROUPS
+from utils.eval.grading import (
     DEFAULT_ALPHA,
     DEFAULT_EMBEDDING_MODEL,
     AnswerGrader,
@@ -45,10 +47,8 @@ from utils.grading import (
     parse_completion,
     resolve_embedding_model,
 )
-from utils.keywords import compare_keywords, keyword_frequencies, load_texts
-from utils.launch import set_cpu_threads
-from utils.prompts import PROMPT_TEMPLATES
-from utils.video import budget_from_config, check_config_video_flags, video_flag, videos_of
+from utils.eval.heldout import generate_answers, generate_answers_remote
+from utils.eval.keywords import compare_keywords, keyword_frequencies, load_texts
 
 METRICS = ("crystal", "accuracy", "math", "keywords")
 SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "format")
@@ -130,7 +130,7 @@ def validate(cfg):
     if cfg.base_url and not cfg.served_model_name:
         raise ValueError("--base_url needs --served_model_name (the model name the server serves)")
     if cfg.benchmark is not None:
-        from utils.benchmarks import BENCHMARKS
+        from utils.eval.benchmarks import BENCHMARKS
 
         if cfg.benchmark not in BENCHMARKS:
             raise ValueError(f"--benchmark {cfg.benchmark!r}: choose from {', '.join(BENCHMARKS)}")
@@ -158,7 +158,7 @@ def validate(cfg):
 
 def load_rows(cfg):
     if cfg.benchmark:
-        from utils.benchmarks import load_benchmark
+        from utils.eval.benchmarks import load_benchmark
 
         return load_benchmark(cfg.benchmark, cfg.dataset, split=cfg.split, max_samples=cfg.max_samples)
     path = resolve_dataset(cfg.dataset)
@@ -176,7 +176,7 @@ def generate(cfg, model_path, rows):
         return generate_answers_remote(cfg.base_url, cfg.served_model_name, rows, prompt_template=cfg.prompt_template,
                                        system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_new_tokens,
                                        temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key)
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
                                                 attn_implementation=cfg.attn_implementation,
@@ -251,7 +251,7 @@ def benchmark_judge(cfg):
     without --benchmark."""
     if not cfg.benchmark:
         return None
-    from utils.benchmarks import LLMAnswerExtractor, benchmark_correct
+    from utils.eval.benchmarks import LLMAnswerExtractor, benchmark_correct
 
     extractor = (LLMAnswerExtractor(cfg.answer_extractor_base_url, cfg.answer_extractor_model, api_key=cfg.api_key)
                  if cfg.answer_extractor_base_url else None)

@@ -38,9 +38,9 @@ from typing import Optional
 import yaml
 
 from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET
-from utils.config import ConfigError, choice, parse_config, save_config
-from utils.errors import exit_on_bad_input
-from utils.serving import die_with_parent
+from utils.core.config import ConfigError, choice, parse_config, save_config
+from utils.core.errors import exit_on_bad_input
+from utils.core.serving import die_with_parent
 
 TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
 STAGE_FILE = "stage.json"
@@ -125,7 +125,7 @@ def validate(cfg):
     if cfg.next_data_serve and cfg.next_data != "model":
         raise ConfigError("--next_data_serve serves the previous cycle's model: it needs --next_data model")
     if cfg.next_data_serve and cfg.num_cycles > 1:
-        from utils.serving import serving_problem
+        from utils.core.serving import serving_problem
 
         problem = serving_problem("iterate.py --next_data_serve")
         if problem:  # before any stage or tiny-model build
@@ -308,7 +308,7 @@ class Runner:
 
 
 def final_checkpoint(folder):
-    from utils.checkpoint import latest_checkpoint
+    from utils.core.checkpoint import latest_checkpoint
 
     path = latest_checkpoint(folder)
     if path is None:
@@ -349,7 +349,7 @@ def write_rows_once(out, source, make):
 
 def _load_rows(dataset, split, cfg):
     from tiny.cache import resolve_dataset
-    from utils.data import load_vqa
+    from utils.core.data import load_vqa
 
     path = resolve_dataset(dataset)
     return load_vqa(path, split=split, image_column=cfg.rl_image_column, question_column=cfg.rl_question_column,
@@ -461,7 +461,7 @@ def completions(folder):
 
 def keyword_summary(base_texts, sft_texts):
     """Keyword hits per response of the base and the SFT model, and each used keyword's share of all hits."""
-    from utils.keywords import keyword_shares
+    from utils.eval.keywords import keyword_shares
 
     out = {}
     for name, texts in (("base", base_texts), ("sft", sft_texts)):
@@ -473,7 +473,7 @@ def keyword_summary(base_texts, sft_texts):
 
 def write_report(cfg, base_eval, cycles):
     """report.json (every number) and report.png (accuracy after each stage, keyword frequencies)."""
-    from utils.keywords import sft_efficacy_score
+    from utils.eval.keywords import sft_efficacy_score
 
     base_texts = completions(base_eval)
     report = {"base_model": cfg.base_model, "seed": cfg.seed, "base": eval_metrics(base_eval), "cycles": []}

@@ -22,19 +22,18 @@ from transformers import TrainerState
 from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
-from utils.checkpoint import save_checkpoint
-from utils.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
-from utils.config import ConfigError, choice, config_to_dict, parse_config
-from utils.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
-from utils.data import images_of, load_vqa
-from utils.encoding import encode_prompts
-from utils.errors import exit_on_bad_input
-from utils.evaluation import evaluate_policy, load_eval_set
-from utils.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
-from utils.importance import IS_MODES, importance_weights, mismatch_metrics, mismatch_stats
-from utils.launch import relaunch_multi_cpu_if_needed
-from utils.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
-from utils.losses import (
+from utils.core.checkpoint import save_checkpoint
+from utils.core.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
+from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from utils.core.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
+from utils.core.data import images_of, load_vqa
+from utils.core.encoding import encode_prompts
+from utils.core.errors import exit_on_bad_input
+from utils.core.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
+from utils.core.importance import IS_MODES, importance_weights, mismatch_metrics, mismatch_stats
+from utils.core.launch import relaunch_multi_cpu_if_needed
+from utils.core.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
+from utils.core.losses import (
     ENTROPY_THRESHOLD,
     IMPORTANCE_LEVELS,
     LOSS_TYPES,
@@ -42,24 +41,33 @@ from utils.losses import (
     clipped_policy_loss,
     high_entropy_mask,
 )
-from utils.models import disable_dropout, load_model_and_processor, prepare_for_training
-from utils.packing import resolve_padding_free
-from utils.pcgrad import PCGradAccumulator
-from utils.prompts import PROMPT_TEMPLATES, build_messages
-from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
-from utils.rollout import (
+from utils.core.models import disable_dropout, load_model_and_processor, prepare_for_training
+from utils.core.packing import resolve_padding_free
+from utils.core.pcgrad import PCGradAccumulator
+from utils.core.prompts import PROMPT_TEMPLATES, build_messages
+from utils.core.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
+from utils.core.rollout import (
     check_no_logits_shaping,
     generate_completions,
     special_token_ids_to_suppress,
     stop_token_ids,
     truncated_completions,
 )
-from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
-from utils.samplers import CurriculumSampler
-from utils.seeds import completion_seeds
-from utils.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
-from utils.vllm_rollout import VLLMRollout, require_vllm
-from utils.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
+from utils.core.run import (
+    finish_run,
+    make_accelerator,
+    prepare_training,
+    resume_run,
+    seed_run,
+    start_logging,
+    train_summary,
+)
+from utils.core.samplers import CurriculumSampler
+from utils.core.seeds import completion_seeds
+from utils.core.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
+from utils.core.vllm_rollout import VLLMRollout, require_vllm
+from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
+from utils.eval.heldout import evaluate_policy, load_eval_set
 
 SCALES = ("group", "batch", "none")
 
@@ -378,7 +386,8 @@ def main(cfg: GRPOConfig):
     video_budget = budget_from_config(processor, cfg) if max_videos else None  # a model without video fails here
     vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config,
                         max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
-    # the HF rollout's static KV cache and compiled decode step, built once and reused (utils/compiled_generation.py)
+    # the HF rollout's static KV cache and compiled decode step, built once and reused
+    # (utils/core/compiled_generation.py)
     plugin = accelerator.state.deepspeed_plugin
     compiled = CompiledRollout() if resolve_cache_implementation(
         cfg.cache_implementation, model, device=accelerator.device, use_vllm=cfg.use_vllm,
@@ -475,7 +484,7 @@ def main(cfg: GRPOConfig):
         policy.train()
         for _ in range(mu):
             step_loss, step_stats, grad_norm, vllm_stats = 0.0, [], None, []
-            clear_stale_zero3_gradients(accelerator, policy)  # one optimizer step per pass (utils/zero3.py)
+            clear_stale_zero3_gradients(accelerator, policy)  # one optimizer step per pass (utils/core/zero3.py)
             for mb in batches:
                 t0 = time.perf_counter()
                 with accelerator.accumulate(policy):

@@ -26,17 +26,32 @@ from accelerate.utils import gather_object
 
 from kernels import group_advantages
 from tiny.cache import resolve_tiny_t2i
-from utils.checkpoint import save_checkpoint
-from utils.config import ConfigError, choice, config_to_dict, parse_config
-from utils.encoding import encode_prompts
-from utils.errors import InputError, exit_on_bad_input
-from utils.flow.generators import Guidance, SDEStep, sample
-from utils.flow.sde import image_kl
-from utils.launch import relaunch_multi_cpu_if_needed
-from utils.logprobs import prepare_reference_model
-from utils.losses import clipped_policy_loss
-from utils.mixgrpo_eval import evaluate_reason, heldout_lines, heldout_summary
-from utils.mixgrpo_model import (
+from utils.core.checkpoint import save_checkpoint
+from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from utils.core.encoding import encode_prompts
+from utils.core.errors import InputError, exit_on_bad_input
+from utils.core.launch import relaunch_multi_cpu_if_needed
+from utils.core.logprobs import prepare_reference_model
+from utils.core.losses import clipped_policy_loss
+from utils.core.models import has_adapters
+from utils.core.reward_calls import build_image_reward, score_images
+from utils.core.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids
+from utils.core.run import (
+    finish_run,
+    make_accelerator,
+    prepare_training,
+    resume_run,
+    seed_run,
+    start_logging,
+    train_summary,
+)
+from utils.core.samplers import SeededSampler
+from utils.core.seeds import completion_seeds
+from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
+from utils.t2i.data import load_prompts
+from utils.t2i.generators import Guidance, SDEStep, sample
+from utils.t2i.mixgrpo_eval import evaluate_reason, heldout_lines, heldout_summary
+from utils.t2i.mixgrpo_model import (
     MixGRPOModel,
     build_edit_generator,
     build_policy,
@@ -45,8 +60,7 @@ from utils.mixgrpo_model import (
     edit_guidance,
     image_condition,
 )
-from utils.models import has_adapters
-from utils.r3_format import (
+from utils.t2i.r3_format import (
     REASON_PROMPT,
     REFLECT_PROMPT,
     reason_rewards,
@@ -55,13 +69,7 @@ from utils.r3_format import (
     reflection_of,
     user_message,
 )
-from utils.reward_calls import build_image_reward, score_images
-from utils.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids
-from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
-from utils.samplers import SeededSampler
-from utils.seeds import completion_seeds
-from utils.t2i_data import load_prompts
-from utils.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
+from utils.t2i.sde import image_kl
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TINY = "tiny"
@@ -84,7 +92,7 @@ class MixGRPOConfig:
                 "generator), with its own LoRA; none: the reason stage's generator refines too; 'tiny': the tiny "
                 "generator taught to edit (tiny/edit_generator.py)"})
     generator_kwargs: dict = field(default_factory=dict, metadata={
-        "help": "JSON options of the generator's adapter (utils/flow/adapters.py), e.g. FLUX.2 Klein's "
+        "help": "JSON options of the generator's adapter (utils/t2i/adapters.py), e.g. FLUX.2 Klein's "
                 "{\"text_encoder_out_layers\": [9, 18, 27]}"})
     dtype: str = choice("float32", "bfloat16", help="weights dtype of both parts")
     conditioning: str = choice("base", "policy", "generator",
@@ -134,7 +142,7 @@ class MixGRPOConfig:
     num_timesteps_gen: int = 20  # flow steps of the reason stage's image
     enable_sde_gen: bool = True  # one SDE step per rollout (trained); off: ODE only, the image part is not trained
     noise_level_gen: float = 0.7  # SDE noise level a of the reason stage
-    noise_cap: str = choice("flow_grpo", "r3", help="std_t rule at sigma = 1 (utils/flow/sde.py)")
+    noise_cap: str = choice("flow_grpo", "r3", help="std_t rule at sigma = 1 (utils/t2i/sde.py)")
     cfg_scale_gen: float = 4.0  # text classifier-free guidance of the reason stage's image
     cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
     negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
@@ -603,7 +611,7 @@ def main(cfg: MixGRPOConfig):
         mix.train()
         loss, stats = mixgrpo_loss(cfg, mix, roll, adv_text, adv_image, ref_logps=ref_logps,
                                    ref_mean=ref_mean, text_tokens=text_tokens, n_images=total, world=world)
-        clear_stale_zero3_gradients(accelerator, mix)  # the vision tower idles on reason steps (utils/zero3.py)
+        clear_stale_zero3_gradients(accelerator, mix)  # the vision tower idles on reason steps (utils/core/zero3.py)
         accelerator.backward(loss)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else None

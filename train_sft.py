@@ -4,7 +4,7 @@
     accelerate launch --config_file accelerate_configs/zero3.yaml train_sft.py --config recipes/openvlthinker_sft.yaml
 
 Loss: next-token NLL on assistant tokens only (system, user, image and padding tokens are masked, see
-utils/sft_data.py), averaged over the assistant tokens of the whole optimizer step on all processes,
+utils/core/sft_data.py), averaged over the assistant tokens of the whole optimizer step on all processes,
 computed from the hidden states with `kernels.fused_token_logprobs` (no [tokens, vocab] logits).
 Data: CRYSTAL VQA rows (`--dataset_format crystal`: the target is built from reference_steps + answer in
 `--response_template` format) or sharegpt conversations (`--dataset_format sharegpt`, LLaMA-Factory /
@@ -19,21 +19,29 @@ from typing import Optional
 
 from kernels import fused_token_logprobs
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
-from utils.checkpoint import save_checkpoint
-from utils.config import ConfigError, choice, config_to_dict, parse_config
-from utils.data import load_sharegpt, load_vqa
-from utils.errors import exit_on_bad_input
-from utils.evaluation import evaluate_policy, load_eval_set
-from utils.launch import relaunch_multi_cpu_if_needed
-from utils.logprobs import CompletionLogProbs, hf_core
-from utils.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
-from utils.packing import packed_sequence_hidden, resolve_padding_free
-from utils.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
-from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
-from utils.samplers import SeededSampler
-from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
-from utils.video import budget_from_config, check_config_video_flags, video_flag, videos_of
-from utils.zero3 import clear_stale_zero3_gradients
+from utils.core.checkpoint import save_checkpoint
+from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from utils.core.data import load_sharegpt, load_vqa
+from utils.core.errors import exit_on_bad_input
+from utils.core.launch import relaunch_multi_cpu_if_needed
+from utils.core.logprobs import CompletionLogProbs, hf_core
+from utils.core.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.core.packing import packed_sequence_hidden, resolve_padding_free
+from utils.core.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
+from utils.core.run import (
+    finish_run,
+    make_accelerator,
+    prepare_training,
+    resume_run,
+    seed_run,
+    start_logging,
+    train_summary,
+)
+from utils.core.samplers import SeededSampler
+from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
+from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
+from utils.core.zero3 import clear_stale_zero3_gradients
+from utils.eval.heldout import evaluate_policy, load_eval_set
 
 
 @dataclass
@@ -200,7 +208,7 @@ def main(cfg: SFTConfig):
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     if cfg.freeze_multi_modal_projector:
         freeze_vision_tower(model, include_projector=True)
-    # frames sampled and sized the same way at every step and in every process (utils/video.py)
+    # frames sampled and sized the same way at every step and in every process (utils/core/video.py)
     video_budget = budget_from_config(processor, cfg) if "videos" in dataset.column_names else None
     model = prepare_for_training(model, cfg)
     policy = AssistantNLL(model, padding_free=resolve_padding_free(cfg.padding_free, model, accelerator.print))

@@ -23,7 +23,7 @@ def module_path(name):
 
 
 def imports(nodes):
-    """Dotted names imported by these statements (`from utils import losses` gives utils and utils.losses)."""
+    """Dotted names imported by these statements (`from utils import losses` gives utils and utils.core.losses)."""
     names = []
     for node in nodes:
         if isinstance(node, ast.Import):

@@ -54,8 +54,8 @@ def workload(processor, batch_size, device):
     import torch
 
     from tiny.shapes import make_shapes_vqa
-    from utils.encoding import encode_prompts
-    from utils.prompts import build_messages
+    from utils.core.encoding import encode_prompts
+    from utils.core.prompts import build_messages
 
     rows = make_shapes_vqa(batch_size // 8, seed=1)
     messages = [build_messages(r["question"], num_images=1) for r in rows]
@@ -66,9 +66,9 @@ def workload(processor, batch_size, device):
 def measure(model, processor, batch_size, args):
     import torch
 
-    from utils.compiled_generation import CompiledRollout
-    from utils.rollout import generate_completions, stop_token_ids
-    from utils.seeds import completion_seeds
+    from utils.core.compiled_generation import CompiledRollout
+    from utils.core.rollout import generate_completions, stop_token_ids
+    from utils.core.seeds import completion_seeds
 
     tok = processor.tokenizer
     stops = stop_token_ids(model, tok)
@@ -113,7 +113,7 @@ def main(argv=None):
     import torch
 
     from tiny.models import make_tiny_vlm
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     torch.set_num_threads(args.threads)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-compiled-rollout-")

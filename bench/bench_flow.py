@@ -32,8 +32,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from utils.flow.adapters import QwenImageGenerator  # noqa: E402
-from utils.flow.generators import Guidance, sample, step_logprob  # noqa: E402
+from utils.t2i.adapters import QwenImageGenerator  # noqa: E402
+from utils.t2i.generators import Guidance, sample, step_logprob  # noqa: E402
 
 MIB = 2**20
 PROMPT = "a photo of two red circles and a blue square"

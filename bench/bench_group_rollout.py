@@ -22,8 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tiny.cache import tiny_edit_generator_path, tiny_generator_path  # noqa: E402
-from utils.flow.adapters import load_flow_generator  # noqa: E402
-from utils.flow.generators import Guidance, sample  # noqa: E402
+from utils.t2i.adapters import load_flow_generator  # noqa: E402
+from utils.t2i.generators import Guidance, sample  # noqa: E402
 
 PROMPT = "two red circles and a blue square\nI draw a red circle at top left, a red circle at right, a blue square"
 

@@ -168,14 +168,14 @@ def run_ours(spec):
     train_grpo.save_checkpoint = save_checkpoint
     cpu_marks = []  # process CPU seconds at each metrics row: robust to other jobs on a shared machine
 
-    import utils.run
+    import utils.core.run
 
-    class TimedLogger(utils.run.RunLogger):
+    class TimedLogger(utils.core.run.RunLogger):
         def log(self, step, metrics):
             cpu_marks.append(time.process_time())
             super().log(step, metrics)
 
-    utils.run.RunLogger = TimedLogger  # start_logging builds the run's logger
+    utils.core.run.RunLogger = TimedLogger  # start_logging builds the run's logger
     cfg = train_grpo.GRPOConfig(
         model_name_or_path=spec["model"], dataset_name=spec["data"], prompt_template=spec["template"],
         max_prompt_length=None,
@@ -203,8 +203,8 @@ def run_trl(spec):
     from trl import GRPOConfig, GRPOTrainer
 
     from rewards import get_reward
-    from utils.models import load_model_and_processor
-    from utils.prompts import build_messages
+    from utils.core.models import load_model_and_processor
+    from utils.core.prompts import build_messages
 
     class TimedGRPOTrainer(GRPOTrainer):
         phase_times = dict.fromkeys(("generation", "logprob", "rewards", "prepare"), 0.0)
@@ -252,7 +252,7 @@ def run_trl(spec):
             marks["train_peak_rss_mb"] = peak_rss_mb()
 
     model, processor = load_model_and_processor(spec["model"], dtype="float32")
-    from utils.samplers import SeededSampler
+    from utils.core.samplers import SeededSampler
 
     data = load_from_disk(spec["data"])
     # The prompts ours draws, in its order (its seeded sampler, stage 0): TRL reads them unshuffled, so both sides

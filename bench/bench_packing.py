@@ -9,7 +9,7 @@ Workload: P prompts, each a 448 px image (256 image tokens) and a question, G co
 lengths are drawn log-normal (median max_len / 8, sigma 1) and clipped to [max_len / 64, max_len]: most are
 short, a few reach the maximum, as reasoning models' completions do. The padded pass is the scripts' padded
 path (a group's completions share one prompt pass through its KV cache, completions padded to the longest);
-the packed pass lays the prompts and completions end to end (utils/packing.py).
+the packed pass lays the prompts and completions end to end (utils/core/packing.py).
 
 Each variant runs in its own fresh process, one after the other, so the peak memory is its own: on the CPU the
 peak RSS over the RSS before the first pass, on CUDA torch's peak allocated bytes over those before it. Times
@@ -85,8 +85,8 @@ def build_inputs(args, processor, device, vocab):
     import torch
 
     from tiny.shapes import make_shapes_vqa
-    from utils.encoding import encode_prompts
-    from utils.prompts import build_messages
+    from utils.core.encoding import encode_prompts
+    from utils.core.prompts import build_messages
 
     rows = [make_shapes_vqa(args.prompts, seed=args.seed, image_size=448)[i] for i in range(args.prompts)]
     messages = [build_messages(r["question"], num_images=1) for r in rows]
@@ -108,8 +108,8 @@ def worker(args):
     import torch
 
     sys.path.insert(0, REPO)
-    from utils.logprobs import CompletionLogProbs
-    from utils.models import load_model_and_processor
+    from utils.core.logprobs import CompletionLogProbs
+    from utils.core.models import load_model_and_processor
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -126,7 +126,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from utils.flow.adapters import QwenImageGenerator
+    from utils.t2i.adapters import QwenImageGenerator
 
     if args.path is None:
         from tiny.cache import tiny_generator_path

@@ -34,7 +34,7 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import iterate  # noqa: E402
-from utils.config import parse_config  # noqa: E402
+from utils.core.config import parse_config  # noqa: E402
 
 LEVEL_COLUMN = iterate.ESTIMATED_DIFFICULTY
 LISTED = re.compile(r"\ban? (\w+) (circle|square|triangle)\b")

@@ -5,7 +5,8 @@
 A run evaluates its held-out prompts once, each from one noise seed, so its before -> after moves with the draw of
 that noise as much as with training. This re-evaluates a run's warm start (its config's VLM and generator, as
 loaded) and its last checkpoint (the VLM and the generator's trained part, from the checkpoint's training state)
-with utils.mixgrpo_eval.evaluate_reason (greedy reasoning, ODE images) once per noise seed, and prints before, after and
+with utils.t2i.mixgrpo_eval.evaluate_reason (greedy reasoning, ODE images) once per noise seed, and prints before,
+after and
 their paired difference with the spread over seeds. The warm start is evaluated once per config.
 """
 
@@ -23,12 +24,12 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiny.cache import resolve_tiny_t2i  # noqa: E402
-from utils.checkpoint import latest_checkpoint  # noqa: E402
-from utils.mixgrpo_eval import evaluate_reason  # noqa: E402
-from utils.mixgrpo_model import MixGRPOModel, build_policy  # noqa: E402
-from utils.reward_calls import build_image_reward  # noqa: E402
-from utils.rollout import special_token_ids_to_suppress, stop_token_ids  # noqa: E402
-from utils.t2i_data import load_prompts  # noqa: E402
+from utils.core.checkpoint import latest_checkpoint  # noqa: E402
+from utils.core.reward_calls import build_image_reward  # noqa: E402
+from utils.core.rollout import special_token_ids_to_suppress, stop_token_ids  # noqa: E402
+from utils.t2i.data import load_prompts  # noqa: E402
+from utils.t2i.mixgrpo_eval import evaluate_reason  # noqa: E402
+from utils.t2i.mixgrpo_model import MixGRPOModel, build_policy  # noqa: E402
 
 
 def run_config(run, **overrides):

@@ -45,7 +45,7 @@ def once(path, build):
 
 
 def sft(out, model, data, steps, threads, lr=None):
-    from utils.checkpoint import latest_checkpoint
+    from utils.core.checkpoint import latest_checkpoint
 
     if latest_checkpoint(out) is None or not os.path.exists(os.path.join(out, "train_summary.json")):
         subprocess.run([sys.executable, os.path.join(cache.REPO, "train_sft.py"), "--config",

@@ -29,7 +29,7 @@ from tiny.cache import (  # noqa: E402
 from tiny.planner import load_planner, planner_plans  # noqa: E402
 from tiny.reflector import reflection_scores, reflections  # noqa: E402
 from tiny.t2i import make_t2i_prompts, plan_matches_request  # noqa: E402
-from utils.data import load_sharegpt  # noqa: E402
+from utils.core.data import load_sharegpt  # noqa: E402
 
 COLUMNS = ("format", "fixed", "fixed/missing", "fixed/extra", "fixed/wrong_color", "fixed/wrong_position",
            "fixed/none", "kept_flawed", "plans_match")

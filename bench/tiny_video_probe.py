@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiny.cache import TINY_VIDEO_DATASET, TINY_VIDEO_SFT_MODEL, resolve_dataset, resolve_tiny_name  # noqa: E402
-from utils.data import load_vqa  # noqa: E402
-from utils.video import budget_for, load_clips, videos_of  # noqa: E402
+from utils.core.data import load_vqa  # noqa: E402
+from utils.core.video import budget_for, load_clips, videos_of  # noqa: E402
 
 # the frames recipes/tiny_video.yaml reads: every one of the 8 frames at 84 x 84
 FRAMES = dict(fps=4.0, max_frames=8, min_pixels=84 * 84, max_pixels=84 * 84)

@@ -2,7 +2,7 @@
 
     python bench/vllm_smoke.py [--out DIR]           # bench/gpu_check.sh runs it; needs vLLM and a GPU
 
-For each model, through utils.vllm_rollout.VLLMRollout (sleep mode on, eager):
+For each model, through utils.core.vllm_rollout.VLLMRollout (sleep mode on, eager):
   1. generate with the trainer's own prompt ids; check the echoed ids, that no suppressed token was sampled and
      that every completion ends at a stop id or at --max_tokens;
   2. compare vLLM's sampled-token log-probs with the trainer's (bf16 autocast) on the same tokens: mean / max
@@ -32,14 +32,14 @@ from accelerate import Accelerator  # noqa: E402
 
 from tiny.models import make_tiny_llm, make_tiny_vlm  # noqa: E402
 from tiny.shapes import make_shapes_vqa  # noqa: E402
-from utils.encoding import encode_prompts  # noqa: E402
-from utils.importance import importance_weights, mismatch_metrics, mismatch_stats  # noqa: E402
-from utils.logprobs import CompletionLogProbs  # noqa: E402
-from utils.models import load_model_and_processor  # noqa: E402
-from utils.prompts import build_messages  # noqa: E402
-from utils.rollout import special_token_ids_to_suppress, stop_token_ids  # noqa: E402
-from utils.seeds import completion_seeds  # noqa: E402
-from utils.vllm_rollout import VLLMRollout  # noqa: E402
+from utils.core.encoding import encode_prompts  # noqa: E402
+from utils.core.importance import importance_weights, mismatch_metrics, mismatch_stats  # noqa: E402
+from utils.core.logprobs import CompletionLogProbs  # noqa: E402
+from utils.core.models import load_model_and_processor  # noqa: E402
+from utils.core.prompts import build_messages  # noqa: E402
+from utils.core.rollout import special_token_ids_to_suppress, stop_token_ids  # noqa: E402
+from utils.core.seeds import completion_seeds  # noqa: E402
+from utils.core.vllm_rollout import VLLMRollout  # noqa: E402
 
 # |logp_train - logp_vllm| of sampled tokens, mean: bf16 on both sides of a tiny model agree within AGREE_MEAN;
 # an engine left with the old weights must be STALE_FACTOR times further off than the synced one

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _keep_torch_threads():
-    """The train scripts' main() sets the torch thread count (utils.launch.set_cpu_threads); keep that
+    """The train scripts' main() sets the torch thread count (utils.core.launch.set_cpu_threads); keep that
     inside the test that called it, so each test module's own choice holds for its other tests."""
     import torch
 
@@ -54,7 +54,7 @@ def distill_world(tmp_path_factory):
 def reasoner_server(distill_world, tmp_path_factory):
     """`transformers serve` of that reasoner on 127.0.0.1, for the whole session."""
     from tests.launch_helpers import failing_fixture
-    from utils.serving import LocalServer
+    from utils.core.serving import LocalServer
 
     log = str(tmp_path_factory.mktemp("reasoner-server") / "server.log")
     with failing_fixture(f"`transformers serve` of the tiny reasoner (its log: {log})"):

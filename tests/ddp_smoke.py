@@ -2,8 +2,8 @@
 
 Each rank trains a tiny model for 2 steps on *different* data, checks that world size is 2 and that after
 DDP's all-reduce every rank holds the same gradient: the mean of the ranks' local gradients. Then it saves a
-checkpoint with utils.checkpoint, trains 2 more steps with per-rank noise, reloads the checkpoint and checks
-that the same 2 steps come out again on every rank (per-rank RNG restore), and logs through utils.tracking.
+checkpoint with utils.core.checkpoint, trains 2 more steps with per-rank noise, reloads the checkpoint and checks
+that the same 2 steps come out again on every rank (per-rank RNG restore), and logs through utils.core.tracking.
 Rank 0 writes a JSON result to the path given as the first argument (the run folder is next to it).
 """
 
@@ -17,9 +17,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from utils.samplers import SeededSampler
-from utils.tracking import RunLogger
+from utils.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from utils.core.samplers import SeededSampler
+from utils.core.tracking import RunLogger
 
 
 def flat_grad(module):

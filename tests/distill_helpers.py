@@ -49,8 +49,8 @@ def train_memorized_captioner(rows, out, steps=80):
 def _memorize(model, data, n_rows, out, steps, logging_steps):
     """train_sft.py on a sharegpt set, one full-set batch per step at a high constant lr; its last checkpoint."""
     import train_sft
-    from utils.checkpoint import latest_checkpoint
-    from utils.config import parse_config
+    from utils.core.checkpoint import latest_checkpoint
+    from utils.core.config import parse_config
 
     cfg = parse_config(train_sft.SFTConfig, [
         "--model_name_or_path", model, "--dataset_name", data, "--dataset_format", "sharegpt", "--max_steps",

@@ -14,8 +14,8 @@ from tests.vllm_helpers import FakeVLLM  # noqa: E402
 sys.modules["vllm"] = FakeVLLM
 
 import train_grpo  # noqa: E402
-import utils.vllm_rollout  # noqa: E402
-from utils.config import parse_config  # noqa: E402
+import utils.core.vllm_rollout  # noqa: E402
+from utils.core.config import parse_config  # noqa: E402
 
 
 def require_vllm():  # the real import, without the CUDA check
@@ -25,7 +25,7 @@ def require_vllm():  # the real import, without the CUDA check
 
 
 if __name__ == "__main__":
-    utils.vllm_rollout.require_vllm = train_grpo.require_vllm = require_vllm
+    utils.core.vllm_rollout.require_vllm = train_grpo.require_vllm = require_vllm
     cfg = parse_config(train_grpo.GRPOConfig, sys.argv[1:])
     train_grpo.main(cfg)
     (engine,) = FakeVLLM.engines

@@ -15,7 +15,7 @@ def build_family(out, family):
     """(model in eval mode, processor or tokenizer) of a tiny `family`, saved to `out` and loaded back as a user
     would load it."""
     from tiny.models import make_tiny_llm, make_tiny_vlm
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     if family in TEXT_FAMILIES:
         make_tiny_llm(out, family=family, seed=0)
@@ -36,7 +36,7 @@ def user(text, with_image):
 def group_batches(processor, family):
     """Two prompts (with an image each, for a VLM) in a group of 4 completions: (the unique prompts, each
     completion's own copy of its prompt, the completions' prompt index)."""
-    from utils.encoding import encode_prompts
+    from utils.core.encoding import encode_prompts
 
     with_image = family not in TEXT_FAMILIES
     messages = [[user("What colour is the circle?", with_image)], [user("How many?", with_image)]]

@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_mixgrpo as tm  # noqa: E402
-from utils.config import parse_config  # noqa: E402
+from utils.core.config import parse_config  # noqa: E402
 
 
 def scripted_reflection(text):

@@ -114,7 +114,7 @@ def test_deepspeed_section_is_accepted_by_deepspeed(name, monkeypatch):
     assert (str(getattr(optimizer_device, "value", optimizer_device)),
             str(getattr(param_device, "value", param_device))) == (offload_opt, offload_param)
     if zero_stage == 3:
-        assert zero.gather_16bit_weights_on_model_save  # what utils.checkpoint needs for the HF copy
+        assert zero.gather_16bit_weights_on_model_save  # what utils.core.checkpoint needs for the HF copy
         assert plugin.zero3_init_flag
 
 

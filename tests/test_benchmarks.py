@@ -9,8 +9,8 @@ import pytest
 
 import evaluate
 from evaluate import EvalConfig
-from utils.benchmarks import LLMAnswerExtractor, benchmark_correct, load_benchmark
-from utils.errors import InputError
+from utils.core.errors import InputError
+from utils.eval.benchmarks import LLMAnswerExtractor, benchmark_correct, load_benchmark
 
 
 def _image(folder, name):

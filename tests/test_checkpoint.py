@@ -8,8 +8,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from utils.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
-from utils.samplers import SeededSampler
+from utils.core.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
+from utils.core.samplers import SeededSampler
 
 torch.set_num_threads(1)
 DATA = torch.linspace(-1, 1, 40 * 4).reshape(40, 4)

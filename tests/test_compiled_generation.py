@@ -1,4 +1,4 @@
-"""--cache_implementation static (utils/compiled_generation.py): the compiled rollout samples the eager rollout's
+"""--cache_implementation static (utils/core/compiled_generation.py): the compiled rollout samples the eager rollout's
 tokens (text prompts, and images with a shared prefill), sees each optimizer step, and is refused where it cannot
 run. The fast tier compiles with backend aot_eager (seconds); inductor, whose kernels may round a logit
 differently, is the full tier's (its compile takes tens of seconds on a CPU)."""
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from tiny.shapes import make_shapes_vqa
-from utils.compiled_generation import CompiledRollout, cache_bucket, resolve_cache_implementation
-from utils.config import ConfigError
-from utils.encoding import encode_prompts
-from utils.logprobs import expand_prompts
-from utils.prompts import build_messages
-from utils.rollout import generate_completions
-from utils.seeds import completion_seeds
+from utils.core.compiled_generation import CompiledRollout, cache_bucket, resolve_cache_implementation
+from utils.core.config import ConfigError
+from utils.core.encoding import encode_prompts
+from utils.core.logprobs import expand_prompts
+from utils.core.prompts import build_messages
+from utils.core.rollout import generate_completions
+from utils.core.seeds import completion_seeds
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3"])
@@ -129,7 +129,7 @@ def test_cache_buckets_are_powers_of_two():
 @pytest.mark.parametrize("family", ["internvl", "glm4v", "qwen3_vl"])
 def test_other_families_sample_the_eager_tokens(family_models, family):
     """InternVL (plain positions, prompts not shared), GLM-4.1V and Qwen3-VL (3-D rope, shared prefill)."""
-    from utils.logprobs import can_share_prompts
+    from utils.core.logprobs import can_share_prompts
 
     model, processor = family_models(family)
     rows = make_shapes_vqa(2, seed=5)
@@ -211,7 +211,7 @@ def test_compiled_rollout_under_lora(tmp_path):
     from types import SimpleNamespace
 
     from tests.family_helpers import build_family
-    from utils.models import adapters_disabled, prepare_for_training
+    from utils.core.models import adapters_disabled, prepare_for_training
 
     model, processor = build_family(str(tmp_path / "qwen"), "qwen2_5_vl")
     lora = SimpleNamespace(gradient_checkpointing=False, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,

@@ -3,7 +3,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from utils.config import ConfigError, config_to_dict, parse_config, save_config
+from utils.core.config import ConfigError, config_to_dict, parse_config, save_config
 
 
 @dataclass

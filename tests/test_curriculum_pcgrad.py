@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from utils.curriculum import combine_with_rating, levels_from_scores, stage_indices
-from utils.pcgrad import pcgrad_backward, pcgrad_combine
-from utils.samplers import CurriculumSampler
+from utils.core.curriculum import combine_with_rating, levels_from_scores, stage_indices
+from utils.core.pcgrad import pcgrad_backward, pcgrad_combine
+from utils.core.samplers import CurriculumSampler
 
 
 def test_tertiles_and_thresholds():
@@ -92,7 +92,7 @@ def test_curriculum_from_column_trains_medium_then_hard(assets, tmp_path):
 
     from datasets import load_from_disk
 
-    from utils.tracking import read_jsonl
+    from utils.core.tracking import read_jsonl
 
     grpo(assets, tmp_path, curriculum=["medium", "hard"], max_steps=2, save_steps=1, log_completions=True,
          reward_funcs=["tests.grpo_helpers:completion_length"])
@@ -122,7 +122,7 @@ def test_pcgrad_with_a_constant_second_reward_equals_plain_grpo(assets, tmp_path
     """A constant reward has zero advantage, hence a zero gradient that PCGrad projects nothing against: the
     PCGrad run must take exactly the plain run's steps on the first reward (the losses, rewards and the KL
     term through --beta all take part)."""
-    from utils.tracking import read_jsonl
+    from utils.core.tracking import read_jsonl
 
     common = dict(beta=0.04, max_steps=3, num_iterations=1)
     grpo(assets, tmp_path / "plain", reward_funcs=["tests.grpo_helpers:completion_length"], **common)
@@ -141,7 +141,7 @@ def test_pcgrad_with_a_constant_second_reward_equals_plain_grpo(assets, tmp_path
 def test_pcgrad_removes_exactly_opposed_objectives(assets, tmp_path):
     """Two rewards that are exact negatives give opposite gradients; PCGrad projects each onto the other's
     normal plane, which leaves (up to rounding) nothing, while the plain weighted sum still has a gradient."""
-    from utils.tracking import read_jsonl
+    from utils.core.tracking import read_jsonl
 
     funcs = ["tests.grpo_helpers:completion_length", "tests.grpo_helpers:negative_length"]
     common = dict(max_steps=1, reward_funcs=funcs, reward_weights=[1.0, 0.5])

@@ -10,10 +10,10 @@ from PIL import Image
 
 from tiny.shapes import make_shapes_vqa, shapes_vqa_rows
 from tiny.t2i import make_t2i_prompts, write_jsonl
-from utils.data import load_rl_rows, load_sharegpt, load_vqa, render_question
-from utils.data_sources import load_table
-from utils.errors import DataValidationError
-from utils.t2i_data import load_geneval, load_tiif
+from utils.core.data import load_rl_rows, load_sharegpt, load_vqa, render_question
+from utils.core.data_sources import load_table
+from utils.core.errors import DataValidationError
+from utils.t2i.data import load_geneval, load_tiif
 
 
 def write_jsonl_rows(path, rows):

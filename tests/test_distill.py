@@ -11,7 +11,7 @@ import pytest
 from distill import DistillConfig, read_records, validate
 from distill import main as distill_main
 from tests.launch_helpers import finish, launch_python, sigkill_when
-from utils.chains import cut_reflection, filter_chains, final_answer, parse_chain, select_chain, sft_target
+from utils.eval.chains import cut_reflection, filter_chains, final_answer, parse_chain, select_chain, sft_target
 
 # --- the filters, one table each -------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ def test_select_chain_rejects_unknown_rules_and_empty_lists():
 
 @pytest.fixture(scope="module")
 def grade():
-    from utils.chains import Grader
+    from utils.eval.chains import Grader
 
     return Grader()
 
@@ -153,7 +153,7 @@ def _expected(server, rows, cfg):
     """What distill.py must make of each question: the served reasoner's chains for the prompt it is sent
     (greedy, so the same text every time), through the filters."""
     from rewards.judge import JudgeClient
-    from utils.chains import Grader
+    from utils.eval.chains import Grader
 
     client = JudgeClient(server.base_url, server.model_name, temperature=0.0, max_tokens=cfg.max_new_tokens)
     grade, out = Grader(), {}
@@ -176,7 +176,7 @@ def _cfg(questions, out, **overrides):
 @pytest.mark.slow
 @pytest.mark.full  # the fast tier serves the reasoner in the cycle-resume test (test_iterate.py)
 def test_distill_with_a_served_reasoner_writes_what_the_filters_keep(distill_world, reasoner_server, tmp_path):
-    from utils.data import load_sharegpt
+    from utils.core.data import load_sharegpt
 
     questions, rows, reasoner = distill_world
     # distill.py starts its own `transformers serve` of the reasoner (--reasoner_serve), as the tiny cycle does
@@ -210,7 +210,7 @@ def test_distill_with_a_served_reasoner_writes_what_the_filters_keep(distill_wor
 def test_captions_from_a_served_vlm_and_from_a_local_one(distill_world, reasoner_server, tmp_path):
     from rewards.judge import JudgeClient
     from tests.distill_helpers import train_memorized_captioner
-    from utils.serving import LocalServer
+    from utils.core.serving import LocalServer
 
     questions, rows, _ = distill_world
     # a tiny VLM trained briefly on the first four scenes' descriptions, so its captions are real text
@@ -230,8 +230,8 @@ def test_captions_from_a_served_vlm_and_from_a_local_one(distill_world, reasoner
     assert captions(tmp_path / "remote") == served
     assert all(len(c.split()) >= 5 and c.startswith("a ") for c in served.values()), served
 
-    from utils.evaluation import generate_answers
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
+    from utils.eval.heldout import generate_answers
 
     distill_main(_cfg(questions, tmp_path / "local", captioner=vlm, **common))
     model, processor = load_model_and_processor(vlm)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from utils.config import flags_markdown
+from utils.core.config import flags_markdown
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_MODULE_LINES = 400
@@ -69,7 +69,7 @@ def test_readme_fits_on_two_screens():
         assert len(f.read().splitlines()) <= 220
 
 
-# git pathspecs match across folders: "utils/*.py" takes utils/flow/*.py too.
+# git pathspecs match across folders: "utils/*.py" takes utils/t2i/*.py too.
 LIBRARY_MODULES = tracked("utils/*.py", "tiny/*.py", "rewards/*.py", "kernels/*.py")
 # A module over MAX_MODULE_LINES says why in a paragraph of its docstring that starts with these words.
 SAYS_WHY_LONG = re.compile(rf"^Over {MAX_MODULE_LINES} lines on purpose: \S+( \S+){{4,}}", re.M)
@@ -93,4 +93,4 @@ def test_the_length_rule_reads_a_reason_and_covers_subpackages():
     assert SAYS_WHY_LONG.search("Kernels.\n\nOver 400 lines on purpose: the Triton kernels sit beside the torch path.")
     assert not SAYS_WHY_LONG.search("Kernels.\n\nOver 400 lines on purpose:")  # no reason given
     assert not SAYS_WHY_LONG.search("Kernels, long on purpose: the Triton kernels sit beside the torch path.")
-    assert "utils/flow/adapters.py" in LIBRARY_MODULES
+    assert "utils/t2i/adapters.py" in LIBRARY_MODULES

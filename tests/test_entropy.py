@@ -9,7 +9,7 @@ import torch
 
 from kernels import fused_token_logprobs
 from tests.test_mixgrpo import tiny  # noqa: F401  (the tiny Mix-GRPO policy and generator fixture)
-from utils.losses import clipped_policy_loss, high_entropy_mask
+from utils.core.losses import clipped_policy_loss, high_entropy_mask
 
 ENTROPY = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.7, 0.2, 5.0, 5.0]])
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
@@ -115,7 +115,7 @@ def test_train_grpo_logs_entropy_and_trains_with_the_bonus_and_mask(tmp_path):
     from tests.test_train_grpo import config, run
     from tiny.models import make_tiny_vlm
     from tiny.shapes import make_shapes_vqa
-    from utils.tracking import read_jsonl
+    from utils.core.tracking import read_jsonl
 
     data = str(tmp_path / "shapes")
     make_shapes_vqa(8, seed=0, kinds=("color",)).save_to_disk(data)
@@ -135,7 +135,7 @@ def test_train_grpo_logs_entropy_and_trains_with_the_bonus_and_mask(tmp_path):
 
 def test_bad_entropy_flags_fail_before_loading(tmp_path):
     from tests.test_train_grpo import config, run
-    from utils.config import ConfigError
+    from utils.core.config import ConfigError
 
     assets = {"qwen": str(tmp_path / "missing"), "data": str(tmp_path / "missing")}
     with pytest.raises(ConfigError, match="--top_entropy_quantile 1.5 must be in"):

@@ -12,8 +12,8 @@ import evaluate
 from evaluate import EvalConfig, markdown_report, score
 from tiny.models import make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
-from utils.grading import crystal_files, group_means, parse_completion, resolve_embedding_model
-from utils.keywords import compare_keywords, keyword_frequencies, load_texts
+from utils.eval.grading import crystal_files, group_means, parse_completion, resolve_embedding_model
+from utils.eval.keywords import compare_keywords, keyword_frequencies, load_texts
 
 torch.set_num_threads(1)
 CLI = os.path.join(os.path.dirname(sys.executable), "crystal-metrics")
@@ -193,7 +193,7 @@ def test_select_best_picks_the_checkpoint_with_the_highest_accuracy(tiny_data, t
 
 
 def test_reasoning_states_answer():
-    from utils.grading import reasoning_states_answer
+    from utils.eval.grading import reasoning_states_answer
 
     assert reasoning_states_answer(["I see circles", "There are 3 circles"], "3")
     assert not reasoning_states_answer(["There are 4 circles"], "3")  # right or wrong answer, reasons disagree

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES, completions, group_batches, image, plain_logprobs, user
-from utils.encoding import encode_prompts, image_tokens_per_image
-from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
-from utils.models import image_token_id, load_model_and_processor
-from utils.sft_data import IGNORE_INDEX, encode_sft_batch
+from utils.core.encoding import encode_prompts, image_tokens_per_image
+from utils.core.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
+from utils.core.models import image_token_id, load_model_and_processor
+from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
@@ -82,8 +82,8 @@ def test_completion_logprobs_equal_a_plain_forward(family_models, family):
 def test_shared_prefill_generation_samples_what_repeated_prompts_sample(family_models, family):
     """Generation with a group's prompt prefilled once (its cache index-selected to the completions) samples the
     same tokens as generation from each completion's own copy of the prompt."""
-    from utils.rollout import generate_completions, stop_token_ids
-    from utils.seeds import completion_seeds
+    from utils.core.rollout import generate_completions, stop_token_ids
+    from utils.core.seeds import completion_seeds
 
     model, processor = family_models(family)
     prompts, repeated, index = group_batches(processor, family)
@@ -102,7 +102,7 @@ def test_shared_prefill_continues_at_each_rows_own_positions(family_models, fami
     alone can hide a shifted position in a tiny random model."""
     from transformers import GenerationConfig
 
-    from utils.rollout import _shared_prefill, cache_kwargs
+    from utils.core.rollout import _shared_prefill, cache_kwargs
 
     model, processor = family_models(family)
     prompts, repeated, index = group_batches(processor, family)
@@ -124,7 +124,7 @@ def test_a_family_whose_processor_cannot_run_is_refused_in_one_line(family_model
     the package, before any weights are read."""
     import transformers
 
-    from utils.models import ModelLoadError
+    from utils.core.models import ModelLoadError
 
     model, processor = family_models("smolvlm")
     model.save_pretrained(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.family_helpers import completions, group_batches, plain_logprobs
-from utils.logprobs import CompletionLogProbs, can_share_prompts
+from utils.core.logprobs import CompletionLogProbs, can_share_prompts
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

@@ -1,4 +1,4 @@
-"""LoRA on every tiny family, in process, through the scripts' own path (`utils.models.prepare_for_training` with
+"""LoRA on every tiny family, in process, through the scripts' own path (`utils.core.models.prepare_for_training` with
 the scripts' --use_peft defaults): the policy's completion log-probs (through the shared prompt pass where the
 family has it) equal a plain forward of the adapted model, the reference with the adapters off
 (`AdapterDisabledReference`, as train_grpo builds it for --use_peft) equals the base model, and one optimizer step
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES, completions, group_batches, plain_logprobs
-from utils.logprobs import AdapterDisabledReference, CompletionLogProbs, can_share_prompts
-from utils.models import prepare_for_training
+from utils.core.logprobs import AdapterDisabledReference, CompletionLogProbs, can_share_prompts
+from utils.core.models import prepare_for_training
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

@@ -12,13 +12,13 @@ import torch
 
 import train_mixgrpo as tm
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES, image, plain_logprobs
-from utils.config import ConfigError
-from utils.encoding import image_tokens_per_image
-from utils.logprobs import CompletionLogProbs
-from utils.mixgrpo_model import check_policy
-from utils.models import image_token_id
-from utils.r3_format import REASON_PROMPT, REFLECT_PROMPT, user_message
-from utils.rollout import special_token_ids_to_suppress, stop_token_ids
+from utils.core.config import ConfigError
+from utils.core.encoding import image_tokens_per_image
+from utils.core.logprobs import CompletionLogProbs
+from utils.core.models import image_token_id
+from utils.core.rollout import special_token_ids_to_suppress, stop_token_ids
+from utils.t2i.mixgrpo_model import check_policy
+from utils.t2i.r3_format import REASON_PROMPT, REFLECT_PROMPT, user_message
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

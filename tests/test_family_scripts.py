@@ -10,7 +10,7 @@ import evaluate
 import train_grpo
 import train_sft
 from tiny.shapes import make_shapes_vqa
-from utils.tracking import read_jsonl
+from utils.core.tracking import read_jsonl
 
 FAMILIES = ["qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl3_5", "smolvlm", "llava_onevision", "qwen3"]
 

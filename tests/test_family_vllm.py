@@ -1,4 +1,4 @@
-"""vLLM engine arguments per model family (utils/vllm_rollout.py), built from each tiny family's own processor:
+"""vLLM engine arguments per model family (utils/core/vllm_rollout.py), built from each tiny family's own processor:
 the multimodal limits, the processor overrides that make vLLM expand an image to the tokens the trainer's prompt ids
 hold, and the prompt ids themselves."""
 
@@ -7,9 +7,9 @@ import torch
 from PIL import Image
 
 from tests.family_helpers import VLM_FAMILIES
-from utils.encoding import encode_prompts
-from utils.models import image_token_id
-from utils.vllm_rollout import engine_kwargs, mm_processor_kwargs, prompt_token_ids, vllm_prompts
+from utils.core.encoding import encode_prompts
+from utils.core.models import image_token_id
+from utils.core.vllm_rollout import engine_kwargs, mm_processor_kwargs, prompt_token_ids, vllm_prompts
 
 
 class Flags:
@@ -85,7 +85,7 @@ def test_gemma4_images_expand_to_the_soft_tokens_vllm_counts(family_models):
     budget it sends (max_soft_tokens)."""
     import math
 
-    from utils.encoding import image_tokens_per_image
+    from utils.core.encoding import image_tokens_per_image
 
     _, processor = family_models("gemma4")
     budget = mm_processor_kwargs(processor)["max_soft_tokens"]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.family_helpers import TEXT_FAMILIES, VLM_FAMILIES, completions, group_batches, plain_logprobs
 from tests.launch_helpers import EXTENSIONS, free_port
-from utils.logprobs import CompletionLogProbs, can_share_prompts
+from utils.core.logprobs import CompletionLogProbs, can_share_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -52,7 +52,7 @@ def load_sharded(path):
     """The family's folder loaded as zero3.yaml's zero3_init_flag loads it: parameters partitioned at creation."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     keep = HfDeepSpeedConfig(ZERO3)  # noqa: F841 (transformers holds it by weak reference while loading)
     try:
@@ -65,10 +65,10 @@ def load_sharded(path):
 def test_family_under_zero3_matches_the_unsharded_model(zero3_group, family_models, family, tmp_path):
     import deepspeed
 
-    from utils.models import load_model_and_processor
-    from utils.rollout import generate_completions, stop_token_ids
-    from utils.seeds import completion_seeds
-    from utils.zero3 import zero3_gathered
+    from utils.core.models import load_model_and_processor
+    from utils.core.rollout import generate_completions, stop_token_ids
+    from utils.core.seeds import completion_seeds
+    from utils.core.zero3 import zero3_gathered
 
     base, processor = family_models(family)
     path = base.name_or_path  # the family's folder, as the session built it

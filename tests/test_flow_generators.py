@@ -11,7 +11,7 @@ from tests.flow_helpers import assert_close as _close
 from tests.flow_helpers import random_image as _image
 from tests.flow_helpers import seeded as _gen
 from tiny.pipelines import make_tiny_flux, make_tiny_klein, make_tiny_qwenimage, make_tiny_sd3
-from utils.flow.adapters import (
+from utils.t2i.adapters import (
     Flux2KleinGenerator,
     FluxGenerator,
     QwenImageGenerator,
@@ -19,8 +19,8 @@ from utils.flow.adapters import (
     load_flow_generator,
     template_prefix_length,
 )
-from utils.flow.generators import Guidance, SDEStep, edit_start, sample, step_logprob
-from utils.flow.sde import sde_std_t
+from utils.t2i.generators import Guidance, SDEStep, edit_start, sample, step_logprob
+from utils.t2i.sde import sde_std_t
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures
@@ -371,7 +371,7 @@ def test_conditioning_base_weights_vs_policy(qwen_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from utils.flow.adapters import QwenImageGenerator as Q
+    from utils.t2i.adapters import QwenImageGenerator as Q
 
     vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(qwen_dir, "text_encoder"))
     frozen = Q.from_pretrained(qwen_dir)

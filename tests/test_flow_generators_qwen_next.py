@@ -10,13 +10,13 @@ from tests.flow_helpers import random_image as _image
 from tests.flow_helpers import seeded as _gen
 from tiny import pipelines as tp
 from tiny.pipelines import make_tiny_qwenimage21, make_tiny_qwenimage_edit_plus
-from utils.flow.adapters import (
+from utils.t2i.adapters import (
     QwenImage21Generator,
     QwenImageEditPlusGenerator,
     load_flow_generator,
     template_prefix_length,
 )
-from utils.flow.generators import Guidance, SDEStep, sample, step_logprob
+from utils.t2i.generators import Guidance, SDEStep, sample, step_logprob
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

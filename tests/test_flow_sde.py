@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from utils.flow.sde import image_kl, ode_step, sde_std_t, sde_step_from_std, sde_step_with_logprob
+from utils.t2i.sde import image_kl, ode_step, sde_std_t, sde_step_from_std, sde_step_with_logprob
 
 
 def _inputs(shape=(2, 4, 6), seed=0, dtype=torch.float32):

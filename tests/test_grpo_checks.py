@@ -12,9 +12,9 @@ import torch
 
 import train_grpo
 from train_grpo import GRPOConfig, build_rewards, validate
-from utils.config import ConfigError
-from utils.groups import choose_groups, has_spread, refill_sizes
-from utils.rollout import truncated_completions
+from utils.core.config import ConfigError
+from utils.core.groups import choose_groups, has_spread, refill_sizes
+from utils.core.rollout import truncated_completions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

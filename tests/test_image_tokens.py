@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from utils.encoding import check_features_match_tokens, check_image_tokens, encode_prompts, image_tokens_per_image
-from utils.errors import ImageTokenError
+from utils.core.encoding import check_features_match_tokens, check_image_tokens, encode_prompts, image_tokens_per_image
+from utils.core.errors import ImageTokenError
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("two_torch_threads")
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     from tiny.models import make_tiny_vlm
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     path = make_tiny_vlm(str(tmp_path_factory.mktemp("guard") / "qwen"), seed=0)
     return load_model_and_processor(path, dtype="float32")
@@ -56,7 +56,7 @@ def test_a_prompt_that_spells_out_an_image_token_is_refused(qwen):
 
 
 def test_logprob_forward_refuses_prompts_repeated_without_their_pixels(qwen):
-    from utils.logprobs import CompletionLogProbs
+    from utils.core.logprobs import CompletionLogProbs
 
     model, processor = qwen
     batch = encode_prompts(processor, [_messages()], [[_image()]], sample_ids=["a"])
@@ -84,7 +84,7 @@ def test_logprob_forward_refuses_prompts_repeated_without_their_pixels(qwen):
 def test_sft_refuses_a_max_length_cut_inside_an_assistant_image(qwen):
     """An image inside the last assistant turn (sharegpt `<image>` in an answer): a --max_length that falls in it
     used to keep the image's pixels with part of its tokens."""
-    from utils.sft_data import encode_sft_batch, sharegpt_conversation
+    from utils.core.sft_data import encode_sft_batch, sharegpt_conversation
 
     _, processor = qwen
     row = {"messages": [{"role": "user", "content": "Draw the circle."},

@@ -43,7 +43,7 @@ def imports_of(name, path, modules):
         else:
             continue
         for target in targets:
-            while target and target not in modules:  # `import utils.flow.sde` reads utils/flow/sde.py
+            while target and target not in modules:  # `import utils.t2i.sde` reads utils/t2i/sde.py
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)

@@ -12,7 +12,7 @@ import yaml
 import iterate
 from iterate import IterateConfig, Runner, mix_sft_sets, stage_recipe, write_recipe
 from tests.launch_helpers import finish, launch_python, sigkill_when
-from utils.config import ConfigError, parse_config
+from utils.core.config import ConfigError, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

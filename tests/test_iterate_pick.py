@@ -13,8 +13,8 @@ import evaluate
 import iterate
 from evaluate import EvalConfig
 from iterate import IterateConfig, Runner
-from utils.checkpoint import TRAINING_STATE_DIR
-from utils.config import parse_config
+from utils.core.checkpoint import TRAINING_STATE_DIR
+from utils.core.config import parse_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import yaml
 
 import iterate
 from iterate import IterateConfig, Runner
-from utils.config import ConfigError
+from utils.core.config import ConfigError
 
 
 @pytest.fixture(scope="module")

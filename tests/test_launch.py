@@ -1,4 +1,4 @@
-"""utils/launch.py: each CPU process gets its share of the cores, whatever OMP_NUM_THREADS the launcher set."""
+"""utils/core/launch.py: each CPU process gets its share of the cores, whatever OMP_NUM_THREADS the launcher set."""
 
 import os
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from utils.config import ConfigError
-from utils.launch import set_cpu_threads
+from utils.core.config import ConfigError
+from utils.core.launch import set_cpu_threads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def test_gpu_machine_is_left_alone(restore_threads, monkeypatch):
 
 def test_overrides_omp_num_threads_one_in_a_fresh_process():
     """What `accelerate launch` (no --cpu) leaves behind, OMP_NUM_THREADS=1, does not cap the process."""
-    code = ("import torch; from utils.launch import set_cpu_threads; before = torch.get_num_threads(); "
+    code = ("import torch; from utils.core.launch import set_cpu_threads; before = torch.get_num_threads(); "
             "set_cpu_threads(2); print(before, torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -64,8 +64,8 @@ def test_overrides_omp_num_threads_one_in_a_fresh_process():
 
 
 def test_accelerator_keeps_deepspeed_on_without_a_gpu(monkeypatch):
-    from utils.config import ConfigError
-    from utils.launch import accelerator_device_kwargs
+    from utils.core.config import ConfigError
+    from utils.core.launch import accelerator_device_kwargs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)

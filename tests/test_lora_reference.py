@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import train_mixgrpo as tm
-from utils.logprobs import AdapterDisabledReference
+from utils.core.logprobs import AdapterDisabledReference
 
 
 class _Policy(nn.Module):
@@ -81,7 +81,7 @@ def test_mixgrpo_text_reference_keeps_frozen_adapters_frozen(lora_llm):
 @pytest.mark.parametrize("projector", [False, True])
 def test_freeze_vision_tower_with_lora_freezes_the_towers_adapters(projector):
     from tiny.cache import tiny_vlm_path
-    from utils.models import load_model_and_processor, prepare_for_training
+    from utils.core.models import load_model_and_processor, prepare_for_training
 
     model, _ = load_model_and_processor(tiny_vlm_path(), freeze_vision_tower=True)
     cfg = types.SimpleNamespace(gradient_checkpointing=False, use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from utils.losses import clipped_policy_loss, k3_kl
+from utils.core.losses import clipped_policy_loss, k3_kl
 
 # Two sequences: the first has 2 real tokens (one padding), the second 3.
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])

@@ -11,9 +11,9 @@ import pytest
 
 import distill
 import iterate
-import utils.serving
+import utils.core.serving
 from iterate import IterateConfig
-from utils.config import ConfigError, parse_config
+from utils.core.config import ConfigError, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = "pip install -r requirements.txt"
@@ -29,7 +29,8 @@ def test_iterate_help_answers():
 @pytest.fixture
 def no_serving(monkeypatch):
     """`transformers serve`'s packages, as if one were not installed."""
-    monkeypatch.setattr(utils.serving, "SERVING_PACKAGES", utils.serving.SERVING_PACKAGES + ("no_such_package_x",))
+    monkeypatch.setattr(utils.core.serving, "SERVING_PACKAGES",
+                        utils.core.serving.SERVING_PACKAGES + ("no_such_package_x",))
 
 
 def test_distill_refuses_a_served_model_without_the_serving_packages(no_serving):
@@ -78,7 +79,7 @@ def test_an_environment_of_requirements_txt_alone_runs_the_scripts_and_serves(tm
     helped = run(os.path.join(REPO, "iterate.py"), "--help")
     assert helped.returncode == 0 and "--num_cycles" in helped.stdout, helped.stderr[-2000:]
     model = make_tiny_llm(str(tmp_path / "llm"))
-    serve = ("import sys, requests; from utils.serving import LocalServer\n"
+    serve = ("import sys, requests; from utils.core.serving import LocalServer\n"
              "with LocalServer(sys.argv[1], device='cpu', threads=1) as s:\n"
              "    print(requests.get(s.base_url + '/models', timeout=30).json()['data'][0]['id'])")
     start = time.monotonic()

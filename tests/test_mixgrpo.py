@@ -18,10 +18,10 @@ from tests.launch_helpers import cli as flags
 from tests.launch_helpers import failing_fixture, finish, launch, sigkill_when
 from tiny.cache import resolve_tiny_t2i
 from train_mixgrpo import MixGRPOConfig
-from utils import mixgrpo_eval, mixgrpo_model, r3_format
-from utils.flow.generators import step_logprob
-from utils.logprobs import hf_core
-from utils.tracking import read_jsonl
+from utils.core.logprobs import hf_core
+from utils.core.tracking import read_jsonl
+from utils.t2i import mixgrpo_eval, mixgrpo_model, r3_format
+from utils.t2i.generators import step_logprob
 
 
 @pytest.mark.parametrize("score, fmt, w, text, image", [
@@ -442,7 +442,7 @@ def test_full_finetuning_trains_every_generator_weight_against_a_frozen_copy(tin
 
 
 def test_the_hub_card_loads_each_generator_part_from_its_subfolder(tiny, tmp_path):
-    from utils.hub import stage_for_hub
+    from utils.core.hub import stage_for_hub
 
     cfg = replace(tiny["cfg"], edit_generator_name_or_path=tiny["edit_path"])
     model, _, _, gen, params = tm.build_policy(cfg, os.path.join(tiny["gen_path"], "_vlm"), tiny["gen_path"], "cpu")
@@ -502,8 +502,8 @@ def test_generator_conditioning_reads_the_pipelines_own_frozen_text_encoder(tiny
     encoder reads it, so the image is conditioned exactly as the plain pipeline conditions it, and RL on the text
     does not move it."""
     from tiny.models import make_tiny_vlm
-    from utils.errors import InputError
-    from utils.flow.adapters import QwenImageGenerator
+    from utils.core.errors import InputError
+    from utils.t2i.adapters import QwenImageGenerator
 
     vlm = make_tiny_vlm(str(tmp_path / "vlm48"), hidden_size=48, num_attention_heads=2, vision_hidden_size=32, seed=3)
     with pytest.raises(InputError, match="reads 32-dim text states but the VLM's hidden size is 48"):

@@ -11,8 +11,8 @@ import torch
 import train_mixgrpo as tm
 from kernels import group_advantages
 from train_mixgrpo import MixGRPOConfig
-from utils import mixgrpo_eval, mixgrpo_model, r3_format
-from utils.errors import InputError
+from utils.core.errors import InputError
+from utils.t2i import mixgrpo_eval, mixgrpo_model, r3_format
 
 TINY_CFG = dict(group_size=4, policy_group_size=1, prompts_per_policy_group=2, max_output_token_n_gen=6,
                 image_size=32, num_timesteps_gen=4, temperature=0.7, generator_lora_r=4, report_to="none",
@@ -247,14 +247,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def recipe(name):
-    from utils.config import parse_config
+    from utils.core.config import parse_config
 
     return parse_config(MixGRPOConfig, ["--config", os.path.join(REPO, "recipes", name)])
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_r3_recipes_carry_r3s_script_defaults_and_truncated_sampling_is_refused(name):
-    from utils.config import ConfigError
+    from utils.core.config import ConfigError
 
     cfg = recipe(name)
     assert (cfg.format_weight, cfg.max_output_token_n_gen, cfg.max_output_token_n_edit) == (1.0, 196, 384)
@@ -299,7 +299,7 @@ def test_r3_recipes_at_tiny_sizes_keep_the_text_ratio_at_one_on_a_first_pass(tin
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory):
     from tiny import pipelines as tp
-    from utils.flow import adapters as fa
+    from utils.t2i import adapters as fa
 
     root = tmp_path_factory.mktemp("pipes")
     return {"qwenimage": (fa.QwenImageGenerator, tp.make_tiny_qwenimage(str(root / "qwen")), tp.QWEN_IMAGE_SCHEDULER),
@@ -388,7 +388,7 @@ def test_eval_refine_draws_only_the_edited_images_each_from_its_own_noise(tiny, 
 
 
 def test_refine_change_counts_perfect_drafts_made_worse_among_perfect_drafts_only():
-    from utils.mixgrpo_eval import heldout_lines, refine_change, scored_mean
+    from utils.t2i.mixgrpo_eval import heldout_lines, refine_change, scored_mean
 
     pairs = ((1.0, 1.0), (1.0, 0.5), (0.5, 1.0), (0.5, 0.25), (0.5, 0.5), (float("nan"), 1.0))
     changes = [refine_change(a, b) for a, b in pairs]

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 import train_mixgrpo as tm
 from train_mixgrpo import MixGRPOConfig
-from utils.config import ConfigError
-from utils.tracking import read_jsonl
+from utils.core.config import ConfigError
+from utils.core.tracking import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -85,7 +85,7 @@ def test_qwen_image_21_and_edit_plus_flag_checks(pipes):
 
 def test_klein_lora_wraps_both_block_kinds(pipes):
     """FLUX.2 Klein's `to_out` is a Linear in single-stream blocks and a ModuleList in double-stream ones."""
-    from utils.flow.adapters import Flux2KleinGenerator
+    from utils.t2i.adapters import Flux2KleinGenerator
 
     gen = Flux2KleinGenerator.from_pretrained(pipes["klein"], text_encoder_out_layers=(1,))
     assert gen.add_lora(2)

@@ -5,7 +5,7 @@ import os
 import pytest
 
 import train_mixgrpo as tm
-from utils.config import parse_config
+from utils.core.config import parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R3 = dict(ce_weight=1.0, mse_weight=2.0, kl_weight_text=1e-3, kl_weight_image=1e-3, learning_rate=5e-6,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import train_mixgrpo as tm
 from tests.launch_helpers import failing_fixture, fresh_accelerate_state
 from tests.test_mixgrpo import TINY_CFG
-from utils.tracking import read_jsonl
+from utils.core.tracking import read_jsonl
 
 
 @pytest.fixture(scope="module")

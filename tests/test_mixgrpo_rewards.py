@@ -14,7 +14,7 @@ import train_mixgrpo as tm
 from rewards.geneval import RewardServerError
 from tests.test_reward_servers import Loopback
 from tiny.t2i import make_t2i_prompts, write_jsonl
-from utils.tracking import read_jsonl
+from utils.core.tracking import read_jsonl
 
 
 def brightness_server(body):
@@ -146,7 +146,7 @@ def test_vlm_judge_served_by_transformers_serve_scores_both_stages(assets, tmp_p
 ])
 def test_a_bad_prompt_row_is_refused_with_the_row_named_before_any_model_loads(tmp_path, monkeypatch, dataset, row,
                                                                               message):
-    from utils.errors import DataValidationError
+    from utils.core.errors import DataValidationError
 
     good = dict(tag="single_object", prompt="a circle", include=[{"class": "circle", "count": 1}]) \
         if dataset == "geneval" else dict(type="x", short_description="a dog", yn_question_list=["a dog?"],

@@ -7,7 +7,7 @@ from PIL import Image
 
 from tiny.models import load_flow_model, make_tiny_flow_model, make_tiny_llm, make_tiny_vlm
 from tiny.tokenizer import COLOURS, FAMILIES, JSON_PUNCTUATION, SHAPES, make_tiny_tokenizer, tokenizer_corpus
-from utils.models import ModelLoadError, freeze_vision_tower, is_vision_model, load_model_and_processor
+from utils.core.models import ModelLoadError, freeze_vision_tower, is_vision_model, load_model_and_processor
 
 torch.set_num_threads(1)
 
@@ -341,10 +341,10 @@ def test_activation_checkpointing_follows_the_installed_transformers_without_war
     import warnings
     from types import SimpleNamespace
 
-    from utils.encoding import encode_prompts
-    from utils.logprobs import CompletionLogProbs, hf_core
-    from utils.models import activation_checkpointing_on, prepare_for_training
-    from utils.prompts import build_messages
+    from utils.core.encoding import encode_prompts
+    from utils.core.logprobs import CompletionLogProbs, hf_core
+    from utils.core.models import activation_checkpointing_on, prepare_for_training
+    from utils.core.prompts import build_messages
 
     model, processor = load_model_and_processor(tiny["qwen2_5_vl"])
     assert not activation_checkpointing_on(model)

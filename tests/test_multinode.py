@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-import utils.launch as launch_utils
-from utils.config import ConfigError
-from utils.tracking import read_jsonl
+import utils.core.launch as launch_utils
+from utils.core.config import ConfigError
+from utils.core.tracking import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")

@@ -1,4 +1,4 @@
-"""Padding-free packing (utils/packing.py): the packed log-prob pass equals the padded one, values and gradients,
+"""Padding-free packing (utils/core/packing.py): the packed log-prob pass equals the padded one, values and gradients,
 on every tiny family, with ragged completions, shared and unshared prompts, several packed rows, LoRA, gradient
 checkpointing and eager attention; SFT's packed NLL equals its padded one; unsupported models are refused."""
 
@@ -7,12 +7,12 @@ import torch
 
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
-from utils.config import ConfigError
-from utils.encoding import encode_prompts
-from utils.logprobs import CompletionLogProbs, expand_prompts
-from utils.models import load_model_and_processor
-from utils.packing import packed_completion_hidden, packing_unsupported_reason, resolve_padding_free
-from utils.prompts import build_messages
+from utils.core.config import ConfigError
+from utils.core.encoding import encode_prompts
+from utils.core.logprobs import CompletionLogProbs, expand_prompts
+from utils.core.models import load_model_and_processor
+from utils.core.packing import packed_completion_hidden, packing_unsupported_reason, resolve_padding_free
+from utils.core.prompts import build_messages
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
@@ -80,7 +80,7 @@ def assert_same(padded, packed):
 def test_packed_equals_padded_on_every_family(family, monkeypatch):
     """Shared prompts (a unit: the prompt and its completions), then per-completion prompts under a token budget
     that spreads them over several rows (padded to the longest): both equal the padded pass."""
-    import utils.packing as packing
+    import utils.core.packing as packing
 
     model, prompts = family["model"], family["prompts"]
     ids, mask, weights = ragged_completions()
@@ -98,7 +98,7 @@ def test_packed_pass_has_no_padding_and_restarts_positions(family, monkeypatch):
     """The packed rows hold the prompts' valid tokens and each completion's inputs (its last token predicts
     nothing), and a row is no longer than the longest unit; positions restart at 0 for each prompt; a token
     budget splits the rows further."""
-    import utils.packing as packing
+    import utils.core.packing as packing
 
     model, prompts = family["model"], family["prompts"]
     ids, mask, _ = ragged_completions()
@@ -149,7 +149,7 @@ def test_packed_equals_padded_under_lora_checkpointing_and_eager(qwen, variant):
 
 def test_sft_packed_nll_equals_padded(qwen):
     from train_sft import AssistantNLL
-    from utils.sft_data import encode_sft_batch, vqa_conversation
+    from utils.core.sft_data import encode_sft_batch, vqa_conversation
 
     path, rows = qwen
     model, processor = load_model_and_processor(path)
@@ -259,8 +259,8 @@ def test_segment_attention_equals_the_dense_mask_and_skips_masked_pairs(monkeypa
     (grouped KV heads, two units in a row, a row of its own, row padding), and computes only the visible pairs."""
     import torch.nn.functional as F
 
-    import utils.packed_attention as attention
-    import utils.packing as packing
+    import utils.core.packed_attention as attention
+    import utils.core.packing as packing
 
     shapes = [(5, [3, 1, 4]), (2, [2]), (9, [6, 5])]
     pieces = random_pieces(shapes)
@@ -313,8 +313,8 @@ def test_segment_attention_leaves_other_calls_to_sdpa():
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    import utils.packed_attention as attention
-    import utils.packing as packing
+    import utils.core.packed_attention as attention
+    import utils.core.packing as packing
 
     assert AttentionInterface._global_mapping["sdpa"] is attention.segment_attention
     gen = torch.Generator().manual_seed(3)
@@ -355,8 +355,8 @@ def test_packed_flash_attention_is_one_varlen_call_equal_to_the_dense_mask(monke
     the dense row mask at every real token (values and gradients; grouped KV heads, row padding zero)."""
     import torch.nn.functional as F
 
-    import utils.packed_attention as attention
-    import utils.packing as packing
+    import utils.core.packed_attention as attention
+    import utils.core.packing as packing
 
     shapes = [(5, [3, 1, 4]), (2, [2]), (9, [6, 5])]
     packed = packing.Packed(random_pieces(shapes), max_tokens=10**6, device="cpu")
@@ -394,8 +394,8 @@ def test_packed_flash_attention_is_one_varlen_call_equal_to_the_dense_mask(monke
 def test_packed_equals_padded_under_flash_attention_2(qwen, monkeypatch):
     """The whole packed log-prob pass of tiny Qwen2.5-VL (3-row rope, images, shared prompts) with its language
     model on flash_attention_2 (the varlen kernel in plain torch) equals the padded sdpa pass."""
-    import utils.packed_attention as attention
-    import utils.packing as packing
+    import utils.core.packed_attention as attention
+    import utils.core.packing as packing
 
     path, rows = qwen
     model, processor = load_model_and_processor(path)

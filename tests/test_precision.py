@@ -1,9 +1,9 @@
-"""utils/precision.py: the lost-update estimate against real optimizer steps, and the check's verdicts."""
+"""utils/core/precision.py: the lost-update estimate against real optimizer steps, and the check's verdicts."""
 
 import pytest
 import torch
 
-from utils.precision import check_update_precision, lost_step_fraction
+from utils.core.precision import check_update_precision, lost_step_fraction
 
 
 def weights(dtype, scale=0.02, seed=0, shape=(256, 64)):
@@ -61,7 +61,7 @@ def test_set_ups_that_keep_their_updates_pass(case):
 def test_deepspeed_master_weights(zero_stage, mixed_precision, master):
     from types import SimpleNamespace
 
-    from utils.precision import deepspeed_master_weights
+    from utils.core.precision import deepspeed_master_weights
 
     plugin = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), mixed_precision=mixed_precision)

@@ -19,8 +19,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.launch_helpers import REPO, cli, failing_fixture, finish, launch
-from utils.config import ConfigError, parse_config
-from utils.tracking import read_jsonl
+from utils.core.config import ConfigError, parse_config
+from utils.core.tracking import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -153,7 +153,7 @@ def geneval_server():
 @pytest.fixture(scope="module")
 def judge(assets):
     """`transformers serve` of the tiny Qwen2.5-VL: the GenEval++ and TIIF judge."""
-    from utils.serving import LocalServer
+    from utils.core.serving import LocalServer
 
     log = str(assets["root"] / "judge.log")
     with failing_fixture(f"`transformers serve` of the tiny judge (its log: {log})"):

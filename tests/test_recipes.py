@@ -6,7 +6,7 @@ import os
 import pytest
 import yaml
 
-from utils.config import config_to_dict, parse_config
+from utils.core.config import config_to_dict, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -50,7 +50,7 @@ def test_the_main_set_holds_transformers_serve():
     """`python iterate.py` starts `transformers serve`: its extras (transformers[serving]) are in the dependency
     closure of requirements.txt's pins, not only in requirements-dev.txt."""
     from tests.requirements_env import closure, extra_requirements
-    from utils.serving import SERVING_PACKAGES
+    from utils.core.serving import SERVING_PACKAGES
 
     main = closure(pins("requirements.txt"))
     assert extra_requirements("transformers", "serving") | set(SERVING_PACKAGES) <= main

@@ -9,8 +9,8 @@ import torch
 from transformers import TrainerState
 
 from rewards import get_reward
-from utils.config import ConfigError
-from utils.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
+from utils.core.config import ConfigError
+from utils.core.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 
 
 def recording_reward(calls):

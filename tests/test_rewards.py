@@ -154,7 +154,7 @@ def test_cpr_embedding_matcher_pays_on_evaluates_match_f1(corpus):
     import torch
 
     from rewards.crystal import cpr_score
-    from utils.grading import crystal_scores, resolve_embedding_model
+    from utils.eval.grading import crystal_scores, resolve_embedding_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,12 +6,12 @@ import torch
 
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
-from utils.encoding import encode_prompts
-from utils.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
-from utils.models import load_model_and_processor
-from utils.prompts import build_messages
-from utils.rollout import generate_completions
-from utils.seeds import completion_seeds
+from utils.core.encoding import encode_prompts
+from utils.core.logprobs import CompletionLogProbs, can_share_prompts, expand_prompts
+from utils.core.models import load_model_and_processor
+from utils.core.prompts import build_messages
+from utils.core.rollout import generate_completions
+from utils.core.seeds import completion_seeds
 
 
 @pytest.fixture(scope="module", params=["qwen", "text"])
@@ -116,7 +116,7 @@ def test_the_checkpoints_generation_config_does_not_reshape_the_rollout(setup):
     """`generate` fills what the rollout leaves unset from generation_config.json: a checkpoint's repetition
     penalty (Qwen2.5-VL-Instruct ships 1.05) would reshape the sampled distribution, off-policy to the log-probs.
     The rollout samples the same tokens whatever the checkpoint asks; what it cannot switch off is refused."""
-    from utils.errors import InputError
+    from utils.core.errors import InputError
 
     model, prompts, prompt_index, ids, mask, _ = setup
     full = expand_prompts(prompts, prompt_index)

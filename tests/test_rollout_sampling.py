@@ -2,8 +2,8 @@
 
 import torch
 
-from utils.rollout import completion_mask
-from utils.seeds import GumbelSampler, completion_seeds, counter_uniform
+from utils.core.rollout import completion_mask
+from utils.core.seeds import GumbelSampler, completion_seeds, counter_uniform
 
 
 def test_counter_uniform_is_deterministic_and_uniform():

@@ -1,4 +1,4 @@
-"""utils/run.py, the run skeleton of the train scripts: the scripts call it in one order, refuse bad flags one way
+"""utils/core/run.py, the run skeleton of the train scripts: the scripts call it in one order, refuse bad flags one way
 (ConfigError naming the flag), and the skeleton itself resumes a plain torch model exactly."""
 
 import ast
@@ -11,9 +11,17 @@ import pytest
 import torch
 
 from tests.launch_helpers import fresh_accelerate_state
-from utils.checkpoint import save_checkpoint
-from utils.config import ConfigError
-from utils.run import finish_run, make_accelerator, prepare_training, resume_run, seed_run, start_logging, train_summary
+from utils.core.checkpoint import save_checkpoint
+from utils.core.config import ConfigError
+from utils.core.run import (
+    finish_run,
+    make_accelerator,
+    prepare_training,
+    resume_run,
+    seed_run,
+    start_logging,
+    train_summary,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("train_grpo.py", "train_sft.py", "train_mixgrpo.py")

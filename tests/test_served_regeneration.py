@@ -42,7 +42,7 @@ def answering_vlm(tmp_path_factory):
     from tiny.cache import save_sharegpt
     from tiny.cycle import reasoner_chain
     from tiny.models import make_tiny_vlm
-    from utils.prompts import THINK_ANSWER_SYSTEM
+    from utils.core.prompts import THINK_ANSWER_SYSTEM
 
     folder = tmp_path_factory.mktemp("answering-vlm")
     path, rows = write_questions(str(folder), n=8)

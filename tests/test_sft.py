@@ -8,16 +8,16 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_sft
-import utils.run
+import utils.core.run
 from tests.launch_helpers import cli, failing_fixture, finish, launch
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from tiny.tokenizer import FAMILIES
 from train_sft import AssistantNLL, SFTConfig, main, validate
-from utils.config import ConfigError, parse_config
-from utils.models import load_model_and_processor
-from utils.prompts import crystal_json_target
-from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
+from utils.core.config import ConfigError, parse_config
+from utils.core.models import load_model_and_processor
+from utils.core.prompts import crystal_json_target
+from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
 
 torch.set_num_threads(1)
 
@@ -211,7 +211,7 @@ def test_impossible_flag_combinations_fail_before_loading():
 
 
 def test_recipes_parse():
-    from utils.config import parse_config
+    from utils.core.config import parse_config
 
     tiny = parse_config(SFTConfig, ["--config", train_sft.TINY_SFT_RECIPE])
     assert tiny.output_dir == "outputs/tiny-sft" and tiny.report_to is None and tiny.eval_dataset_name
@@ -252,7 +252,7 @@ def test_training_lowers_the_loss_on_a_repeated_batch_and_reports_heldout_accura
         def wait(self):
             pass
 
-    monkeypatch.setattr(utils.run, "HubUploader", RecordingUploader)  # the uploader start_logging makes
+    monkeypatch.setattr(utils.core.run, "HubUploader", RecordingUploader)  # the uploader start_logging makes
     data = tmp_path / "four"
     DatasetDict({"train": make_shapes_vqa(4, seed=0), "test": make_shapes_vqa(4, seed=1)}).save_to_disk(str(data))
     out = tmp_path / "run"
@@ -325,7 +325,7 @@ def test_two_processes_match_one_process(tiny, shapes, tmp_path):
 
 
 def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(tiny, shapes, tmp_path):
-    from utils.errors import InputError
+    from utils.core.errors import InputError
 
     with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
         main(_config(tiny, shapes, tmp_path, dtype="bfloat16", learning_rate=1e-6))

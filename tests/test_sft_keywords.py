@@ -5,7 +5,7 @@ import json
 
 import iterate
 from iterate import IterateConfig
-from utils.keywords import keyword_shares, sft_efficacy_score
+from utils.eval.keywords import keyword_shares, sft_efficacy_score
 
 
 def test_keyword_shares_and_the_capped_score():

@@ -1,12 +1,13 @@
 """How an optimizer step is assembled from micro-batches in train_grpo.py: each micro-batch loss's share of the step
-under gradient accumulation (utils.losses.accumulation_divisor) and DAPO's dynamic-sampling refill of groups without
-reward spread (utils.groups.dynamic_sampling)."""
+under gradient accumulation (utils.core.losses.accumulation_divisor) and DAPO's dynamic-sampling refill of groups
+without
+reward spread (utils.core.groups.dynamic_sampling)."""
 
 import pytest
 import torch
 
-from utils.groups import dynamic_sampling
-from utils.losses import LOSS_TYPES, accumulation_divisor, clipped_policy_loss
+from utils.core.groups import dynamic_sampling
+from utils.core.losses import LOSS_TYPES, accumulation_divisor, clipped_policy_loss
 
 G = 2
 WEIGHTS = torch.tensor([1.0])

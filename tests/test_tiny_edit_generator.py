@@ -47,7 +47,7 @@ def built(tmp_path_factory):
 def test_built_folder_loads_through_the_edit_adapter_and_edits(built, triples):
     from diffusers import DiffusionPipeline, QwenImageTransformer2DModel
 
-    from utils.flow.adapters import QwenImageGenerator, load_flow_generator
+    from utils.t2i.adapters import QwenImageGenerator, load_flow_generator
 
     base, path = built
     assert DiffusionPipeline.load_config(path)["_class_name"] == "QwenImageEditPipeline"

@@ -27,9 +27,9 @@ from tiny.edits import (
     scene_key,
 )
 from tiny.shapes import DEFAULT_COLORS, SHAPES, render_objects
-from utils.data import load_sharegpt
-from utils.data_sources import load_table
-from utils.r3_format import NO_EDIT, REFLECT_PROMPT, reflection_of
+from utils.core.data import load_sharegpt
+from utils.core.data_sources import load_table
+from utils.t2i.r3_format import NO_EDIT, REFLECT_PROMPT, reflection_of
 
 SIZE = 32
 
@@ -155,8 +155,8 @@ def test_reflector_rows_load_and_encode_through_the_sft_loader(reflections, tmp_
     from tiny.cache import TINY_PLANNER_VLM, TINY_REFLECTOR_RECIPE, save_sharegpt
     from tiny.models import make_tiny_vlm
     from tiny.reflector import reflector_sft_rows
-    from utils.models import load_model_and_processor
-    from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
+    from utils.core.models import load_model_and_processor
+    from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
 
     table = load_sharegpt(save_sharegpt(reflections[:5], str(tmp_path / "rows")))
     assert table.column_names[:2] == ["messages", "images"] and "draft" in table.column_names

@@ -96,7 +96,7 @@ def test_folder_loads_through_adapter_and_samples(built, vlm_dir):
     from diffusers import QwenImagePipeline
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from utils.flow.adapters import QwenImageGenerator, load_flow_generator
+    from utils.t2i.adapters import QwenImageGenerator, load_flow_generator
 
     _, _, path = built
     gen = QwenImageGenerator.from_pretrained(path)
@@ -121,7 +121,7 @@ def _small_generator(vlm_dir, cfg):
     from diffusers import QwenImagePipeline
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from utils.flow.adapters import QwenImageGenerator
+    from utils.t2i.adapters import QwenImageGenerator
 
     vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir).eval()
     vae = make_vae(cfg)
@@ -168,7 +168,7 @@ def test_default_generator_vae_roundtrip_keeps_score_and_leaves_headroom():
     """The default build (shipped in tiny/weights/, about 27 CPU minutes to retrain): its VAE reconstructs held-out
     renders as the scorer sees them, and its ODE samples score well above an untrained model and below 1."""
     from tiny.generator import evaluate_generator
-    from utils.flow.adapters import QwenImageGenerator
+    from utils.t2i.adapters import QwenImageGenerator
 
     path = cache.tiny_generator_path()
     gen = QwenImageGenerator.from_pretrained(path)

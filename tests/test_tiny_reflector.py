@@ -17,7 +17,7 @@ from tiny.reflector import (
     seen_outcome,
     seen_scores,
 )
-from utils.r3_format import NO_EDIT
+from utils.t2i.r3_format import NO_EDIT
 
 SIZE = 32
 

@@ -7,8 +7,8 @@ import yaml
 
 import tiny.cache
 from tiny.cache import TINY_VIDEO_DATASET, TINY_VIDEO_SFT_MODEL, TINY_VIDEO_SFT_RECIPE, resolve_dataset
-from utils.data import load_vqa
-from utils.video import videos_of
+from utils.core.data import load_vqa
+from utils.core.video import videos_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VIDEO_FLAGS = ("fps", "max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels")

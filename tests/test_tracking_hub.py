@@ -10,9 +10,9 @@ import yaml
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-import utils.hub as hub
-from utils.hub import HubUploader, HubUploadError, stage_for_hub
-from utils.tracking import RunLogger, peak_memory_mb, plot_reward_curve, read_jsonl, tracker_list, write_summary
+import utils.core.hub as hub
+from utils.core.hub import HubUploader, HubUploadError, stage_for_hub
+from utils.core.tracking import RunLogger, peak_memory_mb, plot_reward_curve, read_jsonl, tracker_list, write_summary
 
 
 def steps_in(path):

@@ -14,7 +14,7 @@ from tests.launch_helpers import failing_fixture, finish, fresh_accelerate_state
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from train_grpo import GRPOConfig
-from utils.tracking import read_jsonl
+from utils.core.tracking import read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def cli(assets, out, **overrides):
 
 def run_cli(args):
     """train_grpo.py in this process on a command line, parsed as the launched script parses it."""
-    from utils.config import parse_config
+    from utils.core.config import parse_config
 
     return run(parse_config(GRPOConfig, args))
 
@@ -425,7 +425,7 @@ def test_image_token_mismatch_names_the_sample(assets, tmp_path):
 
 @pytest.mark.slow
 def test_push_to_hub_uploads_checkpoint_with_card_in_background(assets, tmp_path, monkeypatch):
-    import utils.hub
+    import utils.core.hub
 
     uploads = []
 
@@ -441,7 +441,7 @@ def test_push_to_hub_uploads_checkpoint_with_card_in_background(assets, tmp_path
             card = open(os.path.join(folder_path, "README.md")).read()
             uploads.append((repo_id, files, card))
 
-    monkeypatch.setattr(utils.hub, "HfApi", FakeApi)
+    monkeypatch.setattr(utils.core.hub, "HfApi", FakeApi)
     run(config(assets, tmp_path, max_steps=2, save_steps=1, push_to_hub=True, hub_model_id="me/tiny-grpo",
                report_to="tensorboard", reward_funcs=["tests.grpo_helpers:completion_length"]))
     assert [u[0] for u in uploads] == ["me/tiny-grpo", "me/tiny-grpo"]
@@ -463,7 +463,7 @@ def test_use_vllm_without_vllm_is_a_clear_error_before_loading(assets, tmp_path)
 def fake_vllm(monkeypatch):
     """vLLM replaced by the fake engine of tests/vllm_helpers.py (importable as `vllm`, no GPU needed); the
     rendezvous variables the rollout sets for the engine are undone after the test."""
-    import utils.vllm_rollout
+    import utils.core.vllm_rollout
     from tests.vllm_helpers import DIST_KEYS, FakeVLLM
 
     for key in DIST_KEYS:
@@ -476,7 +476,7 @@ def fake_vllm(monkeypatch):
 
         return vllm
 
-    monkeypatch.setattr(utils.vllm_rollout, "require_vllm", require_vllm)
+    monkeypatch.setattr(utils.core.vllm_rollout, "require_vllm", require_vllm)
     monkeypatch.setattr(train_grpo, "require_vllm", require_vllm)
     FakeVLLM.engines.clear()
     return FakeVLLM
@@ -540,14 +540,14 @@ def test_bad_vllm_flags_fail_before_loading(assets, tmp_path):
 
 
 def test_vllm_flags_default_to_what_the_rollout_module_reads():
-    from utils.vllm_rollout import FLAG_DEFAULTS
+    from utils.core.vllm_rollout import FLAG_DEFAULTS
 
     defaults = GRPOConfig()
     assert {name: getattr(defaults, name) for name in FLAG_DEFAULTS} == FLAG_DEFAULTS
 
 
 def test_pure_bf16_weights_at_a_tiny_learning_rate_are_refused_before_training(assets, tmp_path):
-    from utils.errors import InputError
+    from utils.core.errors import InputError
 
     with pytest.raises(InputError, match=r"--dtype bfloat16 trains .* AdamW at learning rate 1e-06: .*--bf16"):
         run(config(assets, tmp_path, dtype="bfloat16", learning_rate=1e-6))

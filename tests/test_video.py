@@ -1,4 +1,5 @@
-"""utils/video.py: decoding real clips (files of several codecs, frame folders, frame lists), the frame-sampling rule,
+"""utils/core/video.py: decoding real clips (files of several codecs, frame folders, frame lists), the frame-sampling
+rule,
 the per-frame and total pixel budget, and refusals that name the file."""
 
 import os
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from tests.video_helpers import bar_position, write_frames, write_video
-from utils.video import (
+from utils.core.video import (
     VideoBudget,
     VideoError,
     budget_for,
@@ -133,7 +134,7 @@ def test_scripts_refuse_bad_video_flags_before_loading_a_model():
     import evaluate
     import train_grpo
     import train_sft
-    from utils.errors import InputError
+    from utils.core.errors import InputError
 
     with pytest.raises(InputError, match="--fps must be positive"):
         train_sft.validate(train_sft.SFTConfig(fps=0))

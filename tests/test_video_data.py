@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.video_helpers import write_frames, write_headers_only, write_video
-from utils.data import load_rl_rows, load_sharegpt, load_vqa
-from utils.errors import DataValidationError
-from utils.video import VideoBudget, videos_of
+from utils.core.data import load_rl_rows, load_sharegpt, load_vqa
+from utils.core.errors import DataValidationError
+from utils.core.video import VideoBudget, videos_of
 
 BUDGET = VideoBudget(fps=2.0, max_frames=4, min_frames=2, min_pixels=28 * 28, max_pixels=56 * 56,
                      total_pixels=10**8, factor=28, temporal_patch=2)
@@ -103,13 +103,13 @@ def test_rl_rows_with_videos(media):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     from tiny.cache import tiny_vlm_path
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     return load_model_and_processor(tiny_vlm_path(), dtype="float32")
 
 
 def test_sft_labels_cover_assistant_text_only_with_video_tokens_masked(media, qwen):
-    from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
+    from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
 
     _, processor = qwen
     rows = [{"messages": [{"role": "user", "content": "<video>What moves in <image>?"},
@@ -136,7 +136,7 @@ def test_sft_labels_cover_assistant_text_only_with_video_tokens_masked(media, qw
 
 
 def test_video_token_guard_names_the_sample_and_video(media, qwen):
-    from utils.video import check_video_tokens, load_clips, processor_video_kwargs
+    from utils.core.video import check_video_tokens, load_clips, processor_video_kwargs
 
     _, processor = qwen
     clips = load_clips([[str(media / "clip.mp4")]], BUDGET)
@@ -153,9 +153,9 @@ def test_video_token_guard_names_the_sample_and_video(media, qwen):
 
 
 def test_prompts_whose_video_placeholders_do_not_match_their_videos_are_named(media, qwen):
-    from utils.encoding import encode_prompts
-    from utils.prompts import build_messages
-    from utils.video import load_clips
+    from utils.core.encoding import encode_prompts
+    from utils.core.prompts import build_messages
+    from utils.core.video import load_clips
 
     _, processor = qwen
     clip = load_clips([[str(media / "clip.mp4")]], BUDGET)[0]

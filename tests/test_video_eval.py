@@ -9,7 +9,7 @@ import torch
 
 from tests.video_helpers import write_video
 from tests.vllm_helpers import DIST_KEYS
-from utils.video import VideoBudget
+from utils.core.video import VideoBudget
 
 torch.set_num_threads(1)
 
@@ -43,7 +43,7 @@ def tiny_path():
 def test_evaluate_on_video_rows_is_deterministic_and_independent_of_batch_size(media, tiny_path, tmp_path):
     import evaluate
     from evaluate import EvalConfig
-    from utils.keywords import load_texts
+    from utils.eval.keywords import load_texts
 
     common = dict(model=tiny_path, dataset=str(media / "test.jsonl"), split="train",
                   max_new_tokens=6, temperature=1.0, seed=3, metrics=["accuracy"], **FLAGS)
@@ -54,9 +54,9 @@ def test_evaluate_on_video_rows_is_deterministic_and_independent_of_batch_size(m
 
 
 def test_generate_answers_sees_the_training_frames_and_remote_refuses_videos(media, tiny_path):
-    from utils.data import load_vqa
-    from utils.evaluation import generate_answers, generate_answers_remote
-    from utils.models import load_model_and_processor
+    from utils.core.data import load_vqa
+    from utils.core.models import load_model_and_processor
+    from utils.eval.heldout import generate_answers, generate_answers_remote
 
     model, processor = load_model_and_processor(tiny_path)
     rows = list(load_vqa(str(media / "test.jsonl"), require_steps=False))  # video only: no image column needed
@@ -84,7 +84,7 @@ def _cfg(**over):
 
 
 def test_vllm_engine_arguments_with_video():
-    from utils.vllm_rollout import engine_kwargs, mm_processor_kwargs
+    from utils.core.vllm_rollout import engine_kwargs, mm_processor_kwargs
 
     mm = mm_processor_kwargs(None, _cfg(max_pixels=3136), BUDGET)
     assert mm == {"max_pixels": 3136, "videos_kwargs": {
@@ -98,7 +98,7 @@ def test_vllm_engine_arguments_with_video():
 
 def test_vllm_gets_the_trainers_prompt_ids_and_the_sampled_frames(media, tiny_path, clean_env):
     from tests.video_helpers import fake_vllm_video_rollout
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(tiny_path)
     llm, clips = fake_vllm_video_rollout(model, processor, str(media), _cfg(), BUDGET)

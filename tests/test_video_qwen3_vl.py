@@ -24,7 +24,7 @@ def media(tmp_path_factory):
 
 
 def _budget(processor):
-    from utils.video import budget_for
+    from utils.core.video import budget_for
 
     return budget_for(processor, fps=FLAGS["fps"], max_frames=FLAGS["max_frames"],
                       min_pixels=FLAGS["video_min_pixels"], max_pixels=FLAGS["video_max_pixels"])
@@ -38,9 +38,9 @@ def _write_jsonl(path, rows):
 
 
 def test_sft_labels_are_the_assistant_text_with_video_tokens_and_timestamps_masked(media, family_models):
-    from utils.data import load_sharegpt
-    from utils.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
-    from utils.video import videos_of
+    from utils.core.data import load_sharegpt
+    from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation
+    from utils.core.video import videos_of
 
     _, processor = family_models("qwen3_vl")
     rows = [{"messages": [{"role": "user", "content": "<video>Which way does the bar move?"},
@@ -89,7 +89,7 @@ def test_train_sft_train_grpo_and_evaluate_on_video_rows(media, tmp_path):
     import train_grpo
     import train_sft
     from tiny.models import make_tiny_vlm
-    from utils.tracking import read_jsonl
+    from utils.core.tracking import read_jsonl
 
     def fresh_state():
         AcceleratorState._reset_state(True)
@@ -141,11 +141,11 @@ def test_a_groups_completions_share_one_video_prompt_pass_and_prefill(media, fam
     """Qwen3-VL video prompts take the shared prompt pass: log-probs (padded and packed) equal a plain forward of
     the expanded prompts, and a shared-prefill rollout samples what the unshared one does."""
     from tests.test_video_train import _completions, _plain_forward_logprobs
-    from utils.encoding import encode_prompts
-    from utils.logprobs import CompletionLogProbs, can_share_prompts
-    from utils.prompts import build_messages
-    from utils.rollout import generate_completions
-    from utils.video import load_clips
+    from utils.core.encoding import encode_prompts
+    from utils.core.logprobs import CompletionLogProbs, can_share_prompts
+    from utils.core.prompts import build_messages
+    from utils.core.rollout import generate_completions
+    from utils.core.video import load_clips
 
     model, processor = family_models("qwen3_vl")
     assert can_share_prompts(model, [0, 0], [1, 1]) and not can_share_prompts(model, [0, 0], [2, 1])

@@ -1,12 +1,12 @@
-"""tiny/video_shapes.py: the tiny video task's clips show what their answers say (read back through utils.video),
+"""tiny/video_shapes.py: the tiny video task's clips show what their answers say (read back through utils.core.video),
 and rows depend only on the seed and their index."""
 
 import numpy as np
 import pytest
 
 from tiny.video_shapes import save_video_vqa
-from utils.data import load_vqa
-from utils.video import VideoBudget, load_clip, videos_of
+from utils.core.data import load_vqa
+from utils.core.video import VideoBudget, load_clip, videos_of
 
 # every frame of an 8-frame clip at 4 fps, at its own 84 x 84 size
 EVERY_FRAME = VideoBudget(fps=4.0, max_frames=8, min_frames=4, min_pixels=84 * 84, max_pixels=84 * 84,

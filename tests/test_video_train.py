@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.video_helpers import write_frames, write_video
-from utils.video import VideoBudget
+from utils.core.video import VideoBudget
 
 torch.set_num_threads(1)
 
@@ -29,7 +29,7 @@ def media(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen():
     from tiny.cache import tiny_vlm_path
-    from utils.models import load_model_and_processor
+    from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(tiny_vlm_path(), dtype="float32")
     return tiny_vlm_path(), model.eval(), processor
@@ -66,9 +66,9 @@ def test_train_sft_on_video_rows_lowers_the_loss(media, qwen, tmp_path):
 def _prompts(processor, media, *, shared):
     """Two prompts with one video each (different timing: 1.6 and 1 sampled frames/s);
     completions: G = 2 per prompt."""
-    from utils.encoding import encode_prompts
-    from utils.prompts import build_messages
-    from utils.video import load_clips
+    from utils.core.encoding import encode_prompts
+    from utils.core.prompts import build_messages
+    from utils.core.video import load_clips
 
     clips = load_clips([[str(media / "clip.mp4")], [str(media / "slow.mp4")]], BUDGET)
     assert clips[0][0].sampled_fps != clips[1][0].sampled_fps
@@ -103,7 +103,7 @@ def _plain_forward_logprobs(model, batch, ids, mask, **override):
 
 @torch.no_grad()
 def test_video_log_probs_shared_unshared_and_packed_equal_a_plain_forward_with_video_timing(media, qwen):
-    from utils.logprobs import CompletionLogProbs, can_share_prompts
+    from utils.core.logprobs import CompletionLogProbs, can_share_prompts
 
     _, model, processor = qwen
     assert can_share_prompts(model, [0, 0], [1, 1]) and not can_share_prompts(model, [0, 0], [2, 1])
@@ -129,8 +129,8 @@ def test_video_log_probs_shared_unshared_and_packed_equal_a_plain_forward_with_v
 
 @torch.no_grad()
 def test_video_rollout_with_a_shared_prefill_samples_what_the_unshared_one_does(media, qwen):
-    from utils.rollout import generate_completions
-    from utils.seeds import completion_seeds
+    from utils.core.rollout import generate_completions
+    from utils.core.seeds import completion_seeds
 
     _, model, processor = qwen
     expanded, _ = _prompts(processor, media, shared=False)
@@ -149,7 +149,7 @@ def test_train_grpo_on_video_rows_with_a_reference_model_and_video_evaluation(me
     from accelerate.state import AcceleratorState, GradientState
 
     import train_grpo
-    from utils.tracking import read_jsonl
+    from utils.core.tracking import read_jsonl
 
     rows = [{"id": f"v{i}", "question": "Which way does the bar move?", "answer": "right",
              "video": ["clip.mp4", "slow.mp4"][i % 2]} for i in range(4)]
@@ -175,11 +175,11 @@ def test_train_grpo_on_video_rows_with_a_reference_model_and_video_evaluation(me
 def test_qwen3_vl_video_timestamps_log_probs_and_the_cut_video_guard(media, family_models):
     """Qwen3-VL writes a timestamp before each temporal step of a video (from the clip's frame indices and sampled
     rate): its prompts encode, their log-probs (padded and packed) equal a plain forward, and a cut video is named."""
-    from utils.encoding import encode_prompts
-    from utils.errors import InputError
-    from utils.logprobs import CompletionLogProbs
-    from utils.prompts import build_messages
-    from utils.video import budget_for, check_video_tokens, load_clips
+    from utils.core.encoding import encode_prompts
+    from utils.core.errors import InputError
+    from utils.core.logprobs import CompletionLogProbs
+    from utils.core.prompts import build_messages
+    from utils.core.video import budget_for, check_video_tokens, load_clips
 
     model, processor = family_models("qwen3_vl")
     budget = budget_for(processor, fps=2.0, max_frames=4, min_pixels=32 * 32, max_pixels=64 * 64)

@@ -1,4 +1,4 @@
-"""utils/vllm_rollout.py without vLLM: what the engine is given (environment, engine and sampling arguments,
+"""utils/core/vllm_rollout.py without vLLM: what the engine is given (environment, engine and sampling arguments,
 prompt ids, pixel budget, stop and suppressed tokens) against the HF path, how its outputs are masked, the
 sampler/trainer mismatch metrics and importance weights, and the weight sync (order, gathering, LoRA merged
 layer by layer), with a fake vLLM module standing in for the engine. The real engine runs in
@@ -18,13 +18,13 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from tests.vllm_helpers import DIST_KEYS, FakeVLLM, request_output
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
-from utils.encoding import encode_prompts
-from utils.importance import importance_weights, mismatch_metrics, mismatch_stats
-from utils.logprobs import CompletionLogProbs
-from utils.models import load_model_and_processor
-from utils.prompts import build_messages
-from utils.rollout import completion_mask, special_token_ids_to_suppress, stop_token_ids
-from utils.vllm_rollout import (
+from utils.core.encoding import encode_prompts
+from utils.core.importance import importance_weights, mismatch_metrics, mismatch_stats
+from utils.core.logprobs import CompletionLogProbs
+from utils.core.models import load_model_and_processor
+from utils.core.prompts import build_messages
+from utils.core.rollout import completion_mask, special_token_ids_to_suppress, stop_token_ids
+from utils.core.vllm_rollout import (
     FLAG_DEFAULTS,
     VLLMRollout,
     engine_kwargs,

@@ -72,12 +72,12 @@ def fake_vllm_video_rollout(model, processor, media, cfg, budget, *, name="/tiny
     from accelerate import Accelerator
 
     from tests.vllm_helpers import FakeVLLM
-    from utils.encoding import encode_prompts
-    from utils.logprobs import CompletionLogProbs
-    from utils.prompts import build_messages
-    from utils.rollout import stop_token_ids
-    from utils.video import load_clips
-    from utils.vllm_rollout import VLLMRollout, prompt_token_ids
+    from utils.core.encoding import encode_prompts
+    from utils.core.logprobs import CompletionLogProbs
+    from utils.core.prompts import build_messages
+    from utils.core.rollout import stop_token_ids
+    from utils.core.video import load_clips
+    from utils.core.vllm_rollout import VLLMRollout, prompt_token_ids
 
     FakeVLLM.engines.clear()
     rollout = VLLMRollout(name, Accelerator(cpu=True), cfg, processor=processor, model_config=model.config,

@@ -1,4 +1,4 @@
-"""A fake vLLM module for the tests: what utils/vllm_rollout.py uses of `vllm.LLM` and `vllm.SamplingParams`,
+"""A fake vLLM module for the tests: what utils/core/vllm_rollout.py uses of `vllm.LLM` and `vllm.SamplingParams`,
 recording the calls. Completions follow each request's seed and end at its first stop id; every sampled token
 gets the log-prob `FakeLLM.logprob`. Used by tests/test_vllm_rollout.py and by train_grpo's --use_vllm run."""
 

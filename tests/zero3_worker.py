@@ -14,13 +14,13 @@ import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_grad
 
 from tiny.shapes import make_shapes_vqa
-from utils.encoding import encode_prompts
-from utils.logprobs import CompletionLogProbs
-from utils.models import load_model_and_processor  # noqa: E402
-from utils.prompts import build_messages  # noqa: E402
-from utils.rollout import generate_completions
-from utils.seeds import completion_seeds
-from utils.zero3 import zero3_gathered
+from utils.core.encoding import encode_prompts
+from utils.core.logprobs import CompletionLogProbs
+from utils.core.models import load_model_and_processor  # noqa: E402
+from utils.core.prompts import build_messages  # noqa: E402
+from utils.core.rollout import generate_completions
+from utils.core.seeds import completion_seeds
+from utils.core.zero3 import zero3_gathered
 
 model_dir, out_path = sys.argv[1], sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
@@ -52,7 +52,7 @@ with zero3_gathered(engine) as module:
 
 def logps_and_grads(padding_free):
     """The sharded log-probs and the full gradients (gathered from the shards) of the mean completion NLL."""
-    engine.module.padding_free = padding_free  # packed: utils/packing.py under the gathered ZeRO-3 weights
+    engine.module.padding_free = padding_free  # packed: utils/core/packing.py under the gathered ZeRO-3 weights
     logps = engine(batch, ids, mask)
     engine.backward(-(logps * mask).sum() / mask.sum())
     grads = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}

@@ -1,0 +1,160 @@
+"""Held-out evaluation: generate answers for a VQA set (locally, or from an OpenAI-compatible server) and grade
+them. Shared by evaluate.py and the train scripts' before/after checks; the grading itself is `utils.eval.grading`.
+
+Generation is greedy with temperature <= 0; with temperature > 0 each row is sampled with its own
+counter-based seed (utils.core.seeds), so results never depend on batch size or process count.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from utils.core.data import images_of, render_question
+from utils.core.encoding import encode_prompts
+from utils.core.prompts import build_messages
+from utils.core.rollout import generate_completions, stop_token_ids
+from utils.core.seeds import completion_seeds
+from utils.core.video import budget_for, load_clips, videos_of
+from utils.eval.grading import AnswerGrader, group_means, parse_completion, reasoning_states_answer
+
+
+def row_messages(row, *, prompt_template, system_prompt=None):
+    """Chat messages of a VQA row as the train scripts build them."""
+    return build_messages(row["question"], num_images=len(images_of(row)), choices=row.get("choices"),
+                          template=prompt_template, system_prompt=system_prompt, num_videos=len(videos_of(row)))
+
+
+@torch.no_grad()
+def generate_answers(model, processor, rows, *, prompt_template, system_prompt=None, batch_size=32,
+                     max_new_tokens=256, temperature=0.0, seed=0, max_prompt_length=None, accelerator=None,
+                     video_budget=None):
+    """Completions (text) for `rows` (dicts with question, image, choices, id, videos), in row order. Videos are
+    sampled under `video_budget` (utils.core.video; none: the model's video processor defaults), as in training.
+
+    With an `accelerator`, each process generates rows rank::world and the texts are gathered, so every
+    process returns all of them (the model must be the plain HF model, see utils.core.zero3.unwrap_for_generation).
+    """
+    from accelerate.utils import gather_object
+
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    eos_ids = stop_token_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    mine = list(range(rank, len(rows), world))
+    was_training = model.training
+    model.eval()
+    texts = []
+    for start in range(0, len(mine), batch_size):
+        indices = mine[start : start + batch_size]
+        batch_rows = [rows[i] for i in indices]
+        ids = [str(r.get("id", i)) for r, i in zip(batch_rows, indices)]
+        messages = [row_messages(r, prompt_template=prompt_template, system_prompt=system_prompt) for r in batch_rows]
+        videos = [videos_of(r) for r in batch_rows]
+        clips = load_clips(videos, video_budget or budget_for(processor)) if any(videos) else None
+        batch = encode_prompts(processor, messages, [images_of(r) for r in batch_rows], sample_ids=ids,
+                               max_prompt_length=max_prompt_length, videos=clips).to(device)
+        completion, mask = generate_completions(
+            model, batch, row_seeds=completion_seeds(seed, 0, indices), max_new_tokens=max_new_tokens,
+            temperature=temperature, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+        texts += tokenizer.batch_decode(completion.masked_fill(mask == 0, tokenizer.pad_token_id),
+                                        skip_special_tokens=True)
+    model.train(was_training)
+    if world == 1:
+        return texts
+    gathered = gather_object([(i, t) for i, t in zip(mine, texts)])
+    return [t for _, t in sorted(gathered)]
+
+
+def generate_answers_remote(base_url, model_name, rows, *, prompt_template, system_prompt=None, max_new_tokens=256,
+                            temperature=0.0, seed=0, api_key=None, timeout=300.0, max_concurrency=8):
+    """Completions from an OpenAI-compatible server (vLLM, SGLang ...): images go as base64 data URLs and
+    each row gets seed + its index, so a server that honours `seed` returns the same texts every run."""
+    import requests
+
+    from rewards.judge import image_data_url
+
+    url = base_url.rstrip("/")
+    url = url if url.endswith("/chat/completions") else url + "/chat/completions"
+    headers = {"Authorization": f"Bearer {api_key or 'EMPTY'}"}
+
+    def payload(index, row):
+        if videos_of(row):
+            raise ValueError(f"row {row.get('id', index)!r} has videos: evaluate video rows with a local --model "
+                             "(the frames a server samples are its own)")
+        messages = []
+        for message in row_messages(row, prompt_template=prompt_template, system_prompt=system_prompt):
+            images = iter(images_of(row))
+            content = [{"type": "image_url", "image_url": {"url": image_data_url(next(images))}}
+                       if item["type"] == "image" else {"type": "text", "text": item["text"]}
+                       for item in message["content"]]
+            messages.append({"role": message["role"], "content": content})
+        return {"model": model_name, "messages": messages, "max_tokens": max_new_tokens,
+                "temperature": max(temperature, 0.0), "seed": seed + index}
+
+    def ask(item):
+        index, row = item
+        response = requests.post(url, json=payload(index, row), headers=headers, timeout=timeout)
+        if response.status_code != 200:
+            raise RuntimeError(f"--base_url {base_url}: row {row.get('id', index)!r} got HTTP "
+                               f"{response.status_code}: {response.text[:300]}")
+        return response.json()["choices"][0]["message"]["content"] or ""
+
+    with ThreadPoolExecutor(max_workers=max_concurrency) as pool:
+        return list(pool.map(ask, enumerate(rows)))
+
+
+def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=32, max_new_tokens=128,
+                     system_prompt=None, max_samples=None, accelerator=None, group_by=("difficulty",),
+                     video_budget=None):
+    """Greedy held-out accuracy of a VQA set: {"accuracy", "format", "samples", "accuracy/<group>=<value>" ...}.
+
+    `format` is the fraction of completions with a parsed answer. Used by train_sft.py / train_grpo.py
+    during and after training, and by evaluate.py's `--metrics accuracy`.
+    """
+    rows = [dataset[i] for i in range(min(len(dataset), max_samples or len(dataset)))]
+    texts = generate_answers(model, processor, rows, prompt_template=prompt_template, system_prompt=system_prompt,
+                             batch_size=batch_size, max_new_tokens=max_new_tokens, accelerator=accelerator,
+                             video_budget=video_budget)
+    grade = AnswerGrader()
+    correct, answered, agrees = [], [], []
+    for row, text in zip(rows, texts):
+        steps, answer = parse_completion(text, prompt_template=prompt_template)
+        answered.append(bool(answer))
+        correct.append(grade(render_question(row["question"], row.get("choices")), answer, row["answer"]))
+        agrees.append(reasoning_states_answer(steps, answer))
+    out = {"accuracy": sum(correct) / max(len(rows), 1), "format": sum(answered) / max(len(rows), 1),
+           "samples": len(rows),
+           # of the answered completions, the share whose last reasoning step states the given answer
+           "reasoning_agrees": sum(agrees) / max(sum(answered), 1)}
+    out.update(group_means(rows, correct, group_by, "accuracy"))
+    return out
+
+
+def load_eval_set(cfg, accelerator):
+    """The held-out VQA set of a train script's `--eval_dataset_name` (None when not set), columns mapped
+    with the same flags as the training data."""
+    if not cfg.eval_dataset_name:
+        return None
+    from tiny.cache import resolve_dataset
+    from utils.core.data import load_vqa
+
+    with accelerator.main_process_first():
+        path = resolve_dataset(cfg.eval_dataset_name)
+    return load_vqa(path, split=cfg.eval_split, image_column=cfg.image_column, question_column=cfg.question_column,
+                    answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
+                    require_steps=False, video_column=getattr(cfg, "video_column", "video"))
+
+
+def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template):
+    """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes."""
+    from utils.core.video import budget_from_config
+    from utils.core.zero3 import unwrap_for_generation
+
+    budget = budget_from_config(processor, cfg) if "videos" in eval_set.column_names else None
+    with unwrap_for_generation(policy, accelerator) as unwrapped:
+        return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=prompt_template,
+                                system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
+                                max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
+                                accelerator=accelerator, video_budget=budget)
