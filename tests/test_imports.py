@@ -101,3 +101,18 @@ def test_the_walk_sees_function_level_imports_relative_imports_and_circles(tmp_p
     assert imports_of("utils.a", str(src), modules) == {"utils.b", "utils.c"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_old_flat_utils_names_import_as_the_modules_in_their_wings():
+    import importlib
+
+    import utils
+
+    for old, new in utils.MOVED.items():
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert module.__spec__.name == new and module.__name__ == new, old
+        assert os.path.isfile(module.__file__) and os.sep + "flow" + os.sep not in module.__file__
+    from utils.flow.sde import ode_step
+    from utils.t2i.sde import ode_step as same
+    assert ode_step is same
