@@ -114,7 +114,8 @@ class GRPOConfig:
     prompt_template: str = choice(*PROMPT_TEMPLATES)  # system prompt that asks for the answer format; plain: none
     system_prompt: Optional[str] = None  # replaces the template's system prompt
     # rewards
-    reward_funcs: list[str] = field(default_factory=lambda: ["format", "accuracy"])  # reward names or module:function
+    reward_funcs: list[str] = field(default_factory=lambda: ["format", "accuracy"], metadata={
+        "help": "reward names, module:function paths, or reward models (a sequence classifier's folder or hub id)"})
     reward_weights: Optional[list[float]] = None  # one weight per reward function; none: all 1.0
     reward_kwargs: dict = field(default_factory=dict, metadata={"help": 'JSON, e.g. {"cpr": {"answer_weight": 0.6}}'})
     # GRPO

@@ -8,6 +8,7 @@ reward does not apply to. Image rewards also take ``images=[PIL image per comple
     cpr = get_reward("cpr", answer_weight=0.6, step_weight=0.4)
     cpr(completions, answer=answers, reference_steps=steps)
     mine = get_reward("my_pkg.my_module:my_fn", scale=2.0)   # any TRL-style function; kwargs are bound
+    rm = get_reward("path/or/hub-id", device="cuda:1")       # a sequence-classification reward model (TRL's)
 
 Built-in names map to factories ``(**options) -> reward function``; ``register`` adds more.
 """
@@ -64,8 +65,9 @@ def get_reward(name: str | Callable, **options) -> Callable:
     """The reward called ``name``, configured with ``options``.
 
     ``name`` is a registered name (see ``list_rewards()``), a ``"package.module:function"`` path to a
-    TRL-style reward function (``options`` are bound as keyword arguments), or a callable (returned with
-    ``options`` bound). Unknown names raise ValueError listing the valid ones.
+    TRL-style reward function (``options`` are bound as keyword arguments), a reward model (a local folder or
+    ``owner/name`` hub id of an ``AutoModelForSequenceClassification`` checkpoint: ``rewards.reward_model``), or a
+    callable (returned with ``options`` bound). Unknown names raise ValueError listing the valid ones.
     """
     if callable(name):
         return _bind(name, options, getattr(name, "__name__", "reward"))
@@ -78,8 +80,13 @@ def get_reward(name: str | Callable, **options) -> Callable:
     elif name in _BUILTIN:
         factory = _import(_BUILTIN[name])
     else:
-        raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(list_rewards())} "
-                         f"(or 'package.module:function' for your own)")
+        from rewards.reward_model import TextRewardModel, is_reward_model_name
+
+        if not is_reward_model_name(name):
+            raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(list_rewards())} "
+                             f"(or 'package.module:function' for your own, or a reward model's folder or hub id)")
+        factory = lambda **kw: TextRewardModel(name, **kw)  # noqa: E731
+        _check_options(name, TextRewardModel.__init__, options)
     _check_options(name, factory, options)
     return factory(**options)
 
