@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements.txt | sha1sum | cut -c1-12)
-DEV_HASH := $(shell cat requirements.txt requirements-dev.txt | sha1sum | cut -c1-12)
+DEV_HASH := $(shell cat requirements.txt requirements-dev.txt requirements-rewards.txt | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 DEV_STAMP := $(VENV)/.dev-installed-$(DEV_HASH)
 FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig train_mixgrpo:MixGRPOConfig distill:DistillConfig iterate:IterateConfig
@@ -18,7 +18,7 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
-$(DEV_STAMP): $(STAMP) requirements-dev.txt
+$(DEV_STAMP): $(STAMP) requirements-dev.txt requirements-rewards.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	rm -f $(VENV)/.dev-installed-* && touch $(DEV_STAMP)
 

@@ -36,6 +36,14 @@ _BUILTIN = {
     "judge_geneval_plus": "rewards.judge:judge_geneval_plus_reward",
     "judge_tiif": "rewards.judge:judge_tiif_reward",
     "shapes_t2i": "rewards.t2i:shapes_t2i_reward",
+    "pickscore": "rewards.clip:pickscore_reward",
+    "clipscore": "rewards.clip:clipscore_reward",
+    "aesthetic": "rewards.clip:aesthetic_reward",
+    "hpsv2": "rewards.hps:hpsv2_reward",
+    "imagereward": "rewards.imagereward:imagereward_reward",
+    "ocr": "rewards.ocr:ocr_reward",
+    "unifiedreward": "rewards.unifiedreward:unifiedreward_reward",
+    "weighted": "rewards.weighted:weighted_reward",
 }
 _REGISTERED: dict[str, Callable] = {}
 

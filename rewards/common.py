@@ -137,3 +137,28 @@ def metadata_rows(columns: dict, n: int, keys: Sequence[str] = GENEVAL_METADATA_
                          f"'include'), or a 'metadata' column of dicts; columns given: {sorted(columns)}")
     values = {k: check_length(columns[k], k, n, reward) for k in present}
     return [{k: values[k][i] for k in present if values[k][i] is not None} for i in range(n)]
+
+
+def prompt_texts(columns: dict, n: int, reward: str, column: str = "prompt") -> list[str]:
+    """The prompt text of each completion: the ``column`` column, else TRL's ``prompts`` (a string, or chat messages
+    whose last user turn is read)."""
+    values = optional_column(columns, column, n, reward)
+    if values is None:
+        values = optional_column(columns, "prompts", n, reward)
+    if values is None:
+        raise ValueError(f"reward {reward!r} needs the prompt text in column {column!r}; columns given: "
+                         f"{sorted(columns)}")
+    out = []
+    for v in values:
+        if isinstance(v, list):  # chat messages: the last user turn's text
+            users = [m for m in v if isinstance(m, dict) and m.get("role") == "user"]
+            v = content_text(users[-1].get("content")) if users else ""
+        out.append(str(v))
+    return out
+
+
+def images_column(images, n: int, reward: str) -> list:
+    """The ``images`` keyword as a list with one image (or None) per completion."""
+    if images is None:
+        raise ValueError(f"reward {reward!r} scores images: call it with images=[one PIL image per completion]")
+    return check_length(images, "images", n, reward)

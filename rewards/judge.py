@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import requests
 
-from rewards.common import RewardFunction, check_length, content_text, image_bytes, optional_column
+from rewards.common import RewardFunction, image_bytes, images_column, optional_column, prompt_texts
 from rewards.geneval import GENEVAL_PLUS_PROMPT, GENEVAL_PLUS_SYSTEM, geneval_plus_checklist
 
 logger = logging.getLogger(__name__)
@@ -235,26 +235,8 @@ TIIF_PROMPT = """Look at the image and answer each question with yes or no.
 Reply with JSON only: {{"answers": ["yes" or "no", ...]}} with exactly {n} answers, in question order."""
 
 
-def _prompts(columns: dict, n: int, reward: str, column: str) -> list[str]:
-    values = optional_column(columns, column, n, reward)
-    if values is None:  # TRL passes the prompt as `prompts` (a string or chat messages)
-        values = optional_column(columns, "prompts", n, reward)
-    if values is None:
-        raise ValueError(f"reward {reward!r} needs the prompt text in column {column!r}; columns given: "
-                         f"{sorted(columns)}")
-    out = []
-    for v in values:
-        if isinstance(v, list):  # chat messages: the last user turn's text
-            users = [m for m in v if isinstance(m, dict) and m.get("role") == "user"]
-            v = content_text(users[-1].get("content")) if users else ""
-        out.append(str(v))
-    return out
-
-
-def _images(images: Any, n: int, reward: str) -> list:
-    if images is None:
-        raise ValueError(f"reward {reward!r} judges images: call it with images=[one PIL image per completion]")
-    return check_length(images, "images", n, reward)
+_prompts = prompt_texts
+_images = images_column
 
 
 def _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff) -> JudgeClient:

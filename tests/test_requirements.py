@@ -55,3 +55,15 @@ def test_the_main_set_holds_transformers_serve():
     main = closure(pins("requirements.txt"))
     assert extra_requirements("transformers", "serving") | set(SERVING_PACKAGES) <= main
     assert {"fastapi", "uvicorn", "openai", "pydantic", "starlette"} <= set(pins("requirements.txt"))
+
+
+def test_the_optional_reward_packages_are_pinned_and_named_by_the_refusal():
+    """requirements-rewards.txt pins every package a reward's refusal names, exactly; requirements-dev.txt installs
+    it (so CI runs the reward tests), and none of it is in requirements.txt."""
+    from rewards.models import OPTIONAL_REQUIREMENTS, PACKAGES
+
+    optional = pins(OPTIONAL_REQUIREMENTS)
+    assert {canonicalize_name(p) for p in PACKAGES.values()} <= set(optional)
+    assert not set(optional) & set(pins("requirements.txt"))
+    with open(os.path.join(REPO, "requirements-dev.txt")) as f:
+        assert f"-r {OPTIONAL_REQUIREMENTS}" in f.read().splitlines()
