@@ -133,17 +133,51 @@ _CONTENT = (
 )
 
 
+# Qwen's tool format (Qwen2.5, Qwen3, Qwen3-VL): the tools' JSON schemas in the system turn, each call as
+# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` in the assistant turn, tool results in a user turn as
+# `<tool_response>\n...\n</tool_response>` (consecutive results share the turn). The words are Qwen3-VL's template's.
+_QWEN_TOOLS_SYSTEM = (
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+)
+_QWEN_TOOL_CALLS = (
+    "{%- if message.tool_calls -%}{%- for tool_call in message.tool_calls -%}"
+    "{%- if (loop.first and message['content']) or (not loop.first) -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- if tool_call.function -%}{%- set tool_call = tool_call.function -%}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' -}}"
+    "{%- if tool_call.arguments is string -%}{{- tool_call.arguments -}}"
+    "{%- else -%}{{- tool_call.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}"
+)
+
+
 def _im_start_template(image: str, video: str) -> str:
-    """ChatML (<|im_start|>role ... <|im_end|>), the format of Qwen2.5-VL and of InternVL3."""
+    """ChatML (<|im_start|>role ... <|im_end|>), the format of Qwen2.5-VL and of InternVL3, with Qwen's tool format
+    (`tools=`, assistant `tool_calls`, `tool` messages); conversations without tools render as plain ChatML."""
     content = _CONTENT.replace("IMAGE", repr(image)).replace("VIDEO", repr(video))
     return (
+        "{%- if tools -%}{{- '<|im_start|>system\\n' -}}"
+        "{%- if messages[0]['role'] == 'system' -%}{%- set message = messages[0] -%}" + content +
+        "{{- '\\n\\n' -}}{%- endif -%}" + _QWEN_TOOLS_SYSTEM + "{%- endif -%}"
         "{%- for message in messages -%}"
-        "{{- '<|im_start|>' + message['role'] + '\n' -}}"
-        "{%- if message['role'] == 'assistant' -%}{%- generation -%}" + content + "{{- '<|im_end|>' -}}"
-        "{%- endgeneration -%}{{- '\n' -}}"
-        "{%- else -%}" + content + "{{- '<|im_end|>\n' -}}{%- endif -%}"
+        "{%- if tools and loop.first and message['role'] == 'system' -%}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+        "{{- '\\n<tool_response>\\n' -}}" + content + "{{- '\\n</tool_response>' -}}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- else -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+        "{%- if message['role'] == 'assistant' -%}{%- generation -%}" + content + _QWEN_TOOL_CALLS +
+        "{{- '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
+        "{%- else -%}" + content + "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- endif -%}"
         "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
 
 

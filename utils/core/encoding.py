@@ -8,17 +8,20 @@ from utils.core.errors import ImageTokenError, InputError
 from utils.core.video import check_video_tokens, processor_video_kwargs
 
 
-def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length=None, videos=None):
+def encode_prompts(processor, messages, images, *, sample_ids, max_prompt_length=None, videos=None, tools=None):
     """Chat-template and tokenize a batch of prompts (left padding), images included.
 
-    `images` is a list (one per sample) of lists of PIL images, possibly empty; `videos` likewise of
-    `utils.core.video.Clip`s (already sampled and sized). Errors name the sample id: a prompt over
-    `max_prompt_length` tokens, or images (videos) that do not match the image (video) placeholders,
-    is never silently truncated or dropped.
+    `messages` holds one prompt per sample: chat messages, or a string (a plain-text prompt, tokenized as it is,
+    as TRL does). `images` is a list (one per sample) of lists of PIL images, possibly empty; `videos` likewise of
+    `utils.core.video.Clip`s (already sampled and sized); `tools` (JSON schemas) go to the chat template. Errors
+    name the sample id: a prompt over `max_prompt_length` tokens, or images (videos) that do not match the image
+    (video) placeholders, is never silently truncated or dropped.
     """
 
     tokenizer = getattr(processor, "tokenizer", processor)
-    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    texts = [m if isinstance(m, str) else processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True,
+                                                                         **({"tools": tools} if tools else {}))
+             for m in messages]
     has_images = any(len(imgs) for imgs in images)
     kwargs = dict(text=texts, return_tensors="pt", padding=True)
     if has_images:
