@@ -146,7 +146,7 @@ def _video_spec():
 
 def _edits_source():
     from tiny import edits, shapes, t2i
-    from utils.t2i import r3_format
+    from utils import r3_format
 
     return _source(edits, t2i._t2i_row, t2i.layout_t2i, t2i.relative_position, t2i._box, shapes._place_in_cell,
                    shapes.draw_shape, shapes.render_objects, r3_format.NO_EDIT, r3_format.REFLECT_PROMPT)
@@ -211,7 +211,7 @@ def _trained(name, recipe, spec, args=()):
     print(f"{name}: training with train_sft.py into {out} (once; cached afterwards)", flush=True)
     subprocess.run([sys.executable, os.path.join(REPO, "train_sft.py"), "--config", recipe, "--output_dir", out,
                     *args], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
-    from utils.core.checkpoint import latest_checkpoint
+    from utils.checkpoint import latest_checkpoint
 
     path = latest_checkpoint(out)
     with open(os.path.join(out, "train_summary.json")) as f:
@@ -263,7 +263,7 @@ def save_sharegpt(rows, out):
 def _sharegpt_folder(name, spec, make_rows):
     """A save_to_disk folder of sharegpt rows made from the shapes training split, cached by `spec`."""
     def build(out):
-        from utils.core.data_sources import load_table
+        from utils.data_sources import load_table
 
         train = load_table(shapes_dataset_path(), split="train")
         save_sharegpt(make_rows([train[i] for i in range(len(train))]), out)
@@ -306,7 +306,7 @@ def tiny_t2i_prompts(n, seed):
 
 def _planner_spec():
     from tiny import t2i
-    from utils.t2i.r3_format import REASON_PROMPT
+    from utils.r3_format import REASON_PROMPT
 
     return {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS, "colour_rows": PLANNER_COLOUR_ROWS,
             "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT, _planner_sft_rows)}
@@ -314,7 +314,7 @@ def _planner_spec():
 
 def _plan_rows(n):
     from tiny import t2i
-    from utils.t2i.r3_format import REASON_PROMPT
+    from utils.r3_format import REASON_PROMPT
 
     rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])[:n]
     return t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"])
@@ -323,7 +323,7 @@ def _plan_rows(n):
 def _planner_sft_rows():
     """The planner's SFT rows: the generator's plan rows, then PLANNER_COLOUR_ROWS planned the same way."""
     from tiny import t2i
-    from utils.t2i.r3_format import REASON_PROMPT
+    from utils.r3_format import REASON_PROMPT
 
     spec = PLANNER_COLOUR_ROWS
     coloured = t2i.planner_rows(t2i.make_t2i_prompts(spec["n"], seed=spec["seed"], tags=spec["tags"]), REASON_PROMPT,
@@ -434,7 +434,7 @@ def tiny_generator_path(**overrides):
 
     cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
     # which text states condition it: the template's system prompt dropped as counted by the tokenizer
-    # (utils.t2i.adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
+    # (utils.flow.adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
     spec = {"generator": cfg.spec(), "text_encoder": _text_encoder_spec(cfg.text_encoder), "template_drop": "tokenizer"}
     if cfg.text_encoder in TINY_MODELS:  # build the VLM here, so the child only reads the cache
         TINY_MODELS[cfg.text_encoder]()
@@ -488,7 +488,7 @@ def resolve_tiny_t2i(cfg, accelerator):
     and the VLM that reads for it: tiny-planner, or tiny-reflector (tiny-planner also taught R3's reflect step) when
     --reflect_refine is on; the 'tiny' edit generator is tiny-edit-generator; 'tiny' prompt files are synthetic
     shapes_t2i prompts."""
-    from utils.core.config import ConfigError
+    from utils.config import ConfigError
 
     for flag in ("generator_name_or_path", "edit_generator_name_or_path"):
         if getattr(cfg, flag) == TINY_MODEL and cfg.conditioning != "generator":

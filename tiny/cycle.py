@@ -22,7 +22,7 @@ import random
 from tiny.shapes import _grid_region, _join
 
 # distill.py's default prompts: the tiny models are trained on exactly what distill.py sends.
-from utils.core.prompts import CAPTION_PROMPT, REASONER_PROMPT
+from utils.prompts import CAPTION_PROMPT, REASONER_PROMPT
 
 REFLECTIONS = ("Wait, let me count again.", "But wait, let me check the description.")
 

@@ -60,8 +60,8 @@ def edit_texts(rows) -> list[str]:
 def load_generator(path, image_size):
     """A Qwen-Image folder (a QwenImagePipeline with its processor saved beside, or an edit pipeline) through the
     Qwen-Image adapter, editing at image_size (the edit pipeline's own area is 1024 x 1024)."""
-    from utils.t2i.adapters import QwenImageGenerator
-    from utils.t2i.mixgrpo_model import own_processor
+    from utils.flow.adapters import QwenImageGenerator
+    from utils.mixgrpo_model import own_processor
 
     gen = QwenImageGenerator.from_pretrained(path, components=own_processor(path))
     if gen.edit is None:
@@ -261,6 +261,6 @@ def grid_png(path, rows, columns, scale=4):
 
 
 if __name__ == "__main__":
-    from utils.core.config import parse_config
+    from utils.config import parse_config
 
     build_tiny_edit_generator(parse_config(TinyEditGeneratorConfig, sys.argv[1:]))

@@ -10,7 +10,7 @@ words of the tiny planner's scene plans ("top left", "middle center"):
 | `remove` | remove the blue square at the middle center |
 | `recolor` | make the green triangle at the bottom right yellow |
 | `move` | move the red circle at the top left to the bottom center |
-| `none` | no further edit needed (`utils.t2i.r3_format.NO_EDIT`, what the reflect stage reads as "keep the image") |
+| `none` | no further edit needed (`utils.r3_format.NO_EDIT`, what the reflect stage reads as "keep the image") |
 
 `parse_instruction` reads an instruction back and `apply_edit` carries it out, so every row below can be checked
 against what it says. Two row sets are built from them, each row from its own `random.Random(f"...-{seed}-{i}")`:
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from tiny.detector import RENDER_SIZE_FRAC
 from tiny.shapes import DEFAULT_COLORS, PALETTE, SHAPES, T2I_TAGS, _article, _place_in_cell, render_objects
 from tiny.t2i import _box, _t2i_row, layout_t2i, relative_position
-from utils.t2i.r3_format import NO_EDIT, NO_EDIT_MATCH, REFLECT_PROMPT
+from utils.r3_format import NO_EDIT, NO_EDIT_MATCH, REFLECT_PROMPT
 
 GRID = 3  # layout_t2i's grid for up to 9 objects; an edit names cells in its words
 EDIT_KINDS = ("add", "remove", "recolor", "move", "none")

@@ -1,7 +1,7 @@
 """The tiny text-to-image generator: a Qwen-Image pipeline small enough to pre-train on a CPU, conditioned on the
 last hidden states of a frozen tiny Qwen2.5-VL (by default the untrained one, which keeps every word), pre-trained
 by rectified flow matching on the synthetic text-to-image rows of `tiny.t2i`, and saved as a `QwenImagePipeline`
-folder that `utils.t2i.adapters.QwenImageGenerator.from_pretrained` loads (docs/tiny.md, "The tiny generator").
+folder that `utils.flow.adapters.QwenImageGenerator.from_pretrained` loads (docs/tiny.md, "The tiny generator").
 
 Two stages, both on `render_t2i` ground truth at `image_size` px:
 1. the VAE (`AutoencoderKLQwenImage`, 2x down-sampling, 4 latent channels) is trained to reconstruct the renders;
@@ -302,7 +302,7 @@ def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds
     given), image i drawn from its own torch.Generator seeded seeds[i] (default i), so an image does not depend on
     the batch it is drawn in. images ([N, 3, H, W] in [0, 1]): edits of them through the adapter's edit path, with
     image CFG (against the prompt without the image) when image_scale > 1."""
-    from utils.t2i.generators import Guidance, sample
+    from utils.flow.generators import Guidance, sample
 
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     guidance = Guidance(scale=guidance_scale, interval=interval, image_scale=image_scale)
@@ -320,7 +320,7 @@ def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds
 def evaluate_generator(path, *, n=120, seed=1, num_steps=20, guidance_scale=4.0, shift=None, gen=None):
     """Held-out score of ODE samples (rows of make_t2i_prompts(n, seed=seed)), per tag. Returns
     {"table", "per_image", "images", "rows"}."""
-    from utils.t2i.adapters import QwenImageGenerator
+    from utils.flow.adapters import QwenImageGenerator
 
     gen = gen if gen is not None else QwenImageGenerator.from_pretrained(path)
     rows = heldout_rows(n, seed)
@@ -341,7 +341,7 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
     SUMMARY). Returns cfg.output_dir."""
     from diffusers import QwenImagePipeline
 
-    from utils.t2i.adapters import QwenImageGenerator
+    from utils.flow.adapters import QwenImageGenerator
 
     stages = {}
     with pinned_threads(cfg.threads):
@@ -387,6 +387,6 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
 
 
 if __name__ == "__main__":
-    from utils.core.config import parse_config
+    from utils.config import parse_config
 
     build_tiny_generator(parse_config(TinyGeneratorConfig, sys.argv[1:]))

@@ -18,7 +18,7 @@ import os
 import torch
 
 from tiny.tokenizer import _FAMILY_TOKENS, ALL_FAMILIES, DEFAULT_BPE_VOCAB, _token_ids, make_tiny_tokenizer
-from utils.core.models import ModelLoadError, resolve_dtype
+from utils.models import ModelLoadError, resolve_dtype
 
 # --------------------------------------------------------------------------------------------------
 # Vision-language models

@@ -22,9 +22,9 @@ def load_planner(name):
 @torch.no_grad()
 def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
     """The reasoning a planner VLM writes greedily for each row under train_mixgrpo's reason prompt."""
-    from utils.core.encoding import encode_prompts
-    from utils.core.rollout import generate_completions, stop_token_ids
-    from utils.t2i.r3_format import REASON_PROMPT, reasoning_of, user_message
+    from utils.encoding import encode_prompts
+    from utils.r3_format import REASON_PROMPT, reasoning_of, user_message
+    from utils.rollout import generate_completions, stop_token_ids
 
     tok = processor.tokenizer
     stops, plans = stop_token_ids(model, tok), []
@@ -43,7 +43,7 @@ def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
 def _reading(model, processor, cases, words):
     """Mean over cases (prompt, plan prefix, index of the right word) of P(the right word next), teacher-forced
     after the prefix and renormalised over `words` (token strings, one token each)."""
-    from utils.t2i.r3_format import REASON_PROMPT
+    from utils.r3_format import REASON_PROMPT
 
     tok = processor.tokenizer
     word_ids = [tok.encode(w, add_special_tokens=False)[0] for w in words]

@@ -7,7 +7,7 @@ Three kinds of question, each answerable only from several frames:
 - last: shapes appear one after another; "Which shape appears last?"
 
 Clips are mp4 files (PyAV's mpeg4 encoder, 84 x 84, --fps 4 by default) beside a `{split}.jsonl` of CRYSTAL-style
-rows (`video`, question, answer, choices, reference_steps), read by `utils.core.data.load_vqa`. With 8 frames, the
+rows (`video`, question, answer, choices, reference_steps), read by `utils.data.load_vqa`. With 8 frames, the
 default --fps 2 sampling keeps 4 of them (first and last included), so a task that needs every frame ("frames")
 wants `--fps 4`. Every row is drawn from its own `random.Random(f"video-{seed}-{index}")`: a row depends only on the
 seed and its index.
