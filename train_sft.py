@@ -12,6 +12,7 @@ OpenVLThinker SFT files). docs/sft.md has the details.
 """
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from kernels import fused_token_logprobs
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
 from utils.core.checkpoint import save_checkpoint
 from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from utils.core.conversations import set_chat_template
 from utils.core.data import load_sharegpt, load_vqa
 from utils.core.errors import exit_on_bad_input
 from utils.core.launch import relaunch_multi_cpu_if_needed
@@ -38,7 +40,13 @@ from utils.core.run import (
     train_summary,
 )
 from utils.core.samplers import SeededSampler
-from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch, sharegpt_conversation, vqa_conversation
+from utils.core.sft_data import (
+    IGNORE_INDEX,
+    encode_sft_batch,
+    sharegpt_conversation,
+    sharegpt_tools,
+    vqa_conversation,
+)
 from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
 from utils.core.zero3 import clear_stale_zero3_gradients
 from utils.eval.heldout import evaluate_policy, load_eval_set
@@ -96,6 +104,10 @@ class SFTConfig:
     video_column: str = "video"  # column with the video(s) of crystal rows, when present (docs/data.md)
     videos_column: str = "videos"  # column with the video list of sharegpt rows, when present
     max_length: int = 1024  # max tokens per conversation; only its last assistant turn may be cut
+    tools_column: str = "tools"  # column with the tool schemas of tool-use sharegpt rows, when present (docs/tools.md)
+    chat_template_path: Optional[str] = field(default=None, metadata={"help": (
+        "a .jinja file or a tokenizer folder whose chat template replaces the model's (TRL's flag), e.g. one with a "
+        "tool format; none: the model's own")})
     # optimisation
     learning_rate: float = 2e-5  # AdamW peak learning rate
     lr_scheduler_type: str = "linear"  # transformers LR schedule; constant ignores --warmup_ratio
@@ -148,6 +160,8 @@ def validate(cfg):
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ConfigError("set --max_steps or a positive --num_train_epochs")
     check_config_video_flags(cfg)
+    if cfg.chat_template_path and not os.path.exists(cfg.chat_template_path):
+        raise ConfigError(f"--chat_template_path {cfg.chat_template_path}: no such file or folder")
 
 
 class AssistantNLL(CompletionLogProbs):
@@ -174,7 +188,8 @@ class AssistantNLL(CompletionLogProbs):
 def load_train_rows(cfg, path):
     if cfg.dataset_format == "sharegpt":
         return load_sharegpt(path, split=cfg.dataset_split, messages_column=cfg.messages_column,
-                             images_column=cfg.images_column, videos_column=cfg.videos_column)
+                             images_column=cfg.images_column, videos_column=cfg.videos_column,
+                             tools_column=cfg.tools_column)
     return load_vqa(path, split=cfg.dataset_split, image_column=cfg.image_column, question_column=cfg.question_column,
                     answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
                     video_column=cfg.video_column)
@@ -206,6 +221,7 @@ def main(cfg: SFTConfig):
                                                 attn_implementation=cfg.attn_implementation,
                                                 freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
+    set_chat_template(processor, cfg.chat_template_path)
     if cfg.freeze_multi_modal_projector:
         freeze_vision_tower(model, include_projector=True)
     # frames sampled and sized the same way at every step and in every process (utils/core/video.py)
@@ -242,7 +258,8 @@ def main(cfg: SFTConfig):
             ids = [str(r.get("id", i)) for r, i in zip(rows, indices)]
             batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
                                      sample_ids=ids, max_length=cfg.max_length,
-                                     videos=[videos_of(r) for r in rows], video_budget=video_budget)
+                                     videos=[videos_of(r) for r in rows], video_budget=video_budget,
+                                     tools=[sharegpt_tools(r) for r in rows])
             micro_batches.append(batch.to(accelerator.device))
         # The loss is a mean over the assistant tokens of the whole step, on all processes.
         local_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro_batches)

@@ -239,3 +239,36 @@ def prompt_question(row, *, prompt_column="prompt"):
 def reward_columns(column_names, prompt_column="prompt"):
     """The columns that reach the reward functions by name: all but the prompt (TRL passes it as `prompts`)."""
     return [c for c in column_names if c != prompt_column]
+
+
+def set_chat_template(processor, path):
+    """Replace the processor's (and its tokenizer's) chat template with the one at `path` (TRL's
+    `chat_template_path`): a .jinja file, or a folder whose chat_template.jinja / tokenizer_config.json holds one.
+    Checkpoints then save it with the model. None leaves the model's own."""
+    import json
+    import os
+
+    from utils.core.config import ConfigError
+
+    if not path:
+        return processor
+    template = None
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    elif os.path.isdir(path):
+        jinja, config = os.path.join(path, "chat_template.jinja"), os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        elif os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError(f"--chat_template_path {path}: no chat template there (a .jinja file, or a folder with "
+                          "chat_template.jinja or a tokenizer_config.json that has one)")
+    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer.chat_template = template
+    if tokenizer is not processor:
+        processor.chat_template = template
+    return processor

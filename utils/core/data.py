@@ -42,9 +42,10 @@ from utils.core.data_sources import Source, open_source
 from utils.core.video import VIDEO_MARKER
 
 STANDARD_VQA_COLUMNS = ("id", "image", "question", "answer", "reference_steps", "choices", "difficulty", "source")
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system",
-                       "user": "user", "assistant": "assistant"}
+ROLES = ("system", "user", "assistant", "tool")
+# LLaMA-Factory's role names; its `function_call` turn is an assistant turn that calls tools
+SHAREGPT_ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
+                       "user": "user", "assistant": "assistant", "tool": "tool"}
 IMAGE_MARKER = "<image>"
 
 
@@ -179,7 +180,38 @@ def load_vqa(name_or_path, *, split: str = "train", image_column: str = "image",
     return table.select_columns(standard + extras)
 
 
+def _json_value(source, row, column, turn, value, what):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            source.fail(row, column, f"message {turn}: {what} is not JSON ({error})")
+    return value
+
+
+def _tool_calls(source: Source, row: int, column: str, turn: int, value) -> list[dict]:
+    """TRL's `tool_calls` ([{"type": "function", "function": {"name", "arguments"}}]) from TRL's list or
+    LLaMA-Factory's function_call value ({"name", "arguments"} or a list of them, as JSON text or objects)."""
+    calls = _json_value(source, row, column, turn, value, "the tool call")
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            source.fail(row, column, f"message {turn}: a tool call needs a name and arguments, got {call!r:.200}")
+        arguments = _json_value(source, row, column, turn, function.get("arguments") or {}, "the arguments")
+        if not isinstance(arguments, dict):
+            source.fail(row, column, f"message {turn}: tool-call arguments must be an object, got {arguments!r:.200}")
+        out.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    if not out:
+        source.fail(row, column, f"message {turn}: an empty tool call")
+    return out
+
+
 def _messages(source: Source, row: int, column: str, value) -> list[dict]:
+    """A sharegpt row's turns as {role, content} (and `tool_calls`, JSON text, on an assistant turn that calls
+    tools). LLaMA-Factory's `function_call` turn becomes an assistant turn with tool calls and its `observation` a
+    `tool` message; TRL's messages may carry `tool_calls` and `tool` turns as they are."""
     if not isinstance(value, list) or not value:
         source.fail(row, column, f"expected a non-empty list of messages, got {value!r}")
     messages = []
@@ -190,15 +222,48 @@ def _messages(source: Source, row: int, column: str, value) -> list[dict]:
         role = message.get("role") if message.get("role") is not None else message.get("from")
         content = message.get("content") if message.get("content") is not None else message.get("value")
         role = SHAREGPT_ROLE_NAMES.get(role, role)
+        calls = None
+        if role == "function_call":
+            role, calls, content = "assistant", _tool_calls(source, row, column, turn, content), ""
+        elif message.get("tool_calls"):
+            calls = _tool_calls(source, row, column, turn, message["tool_calls"])
+            content = content or ""
+            if role != "assistant":
+                source.fail(row, column, f"message {turn} ({role}) has tool_calls; only assistant turns call tools")
         if role not in ROLES:
-            source.fail(row, column, f"message {turn} has role {role!r}; expected one of {ROLES}")
+            source.fail(row, column, f"message {turn} has role {role!r}; expected one of {ROLES} (or human, gpt, "
+                                     "function_call, observation)")
         if not isinstance(content, str):
             source.fail(row, column, f"message {turn} content must be text, got {content!r}")
-        messages.append({"role": role, "content": content})
+        if role == "tool" and (not messages or messages[-1]["role"] not in ("assistant", "tool")):
+            source.fail(row, column, f"message {turn} is a tool result that follows no tool call")
+        messages.append({"role": role, "content": content, **({"tool_calls": json.dumps(calls)} if calls else {})})
     roles = {m["role"] for m in messages}
     if "user" not in roles or "assistant" not in roles:
         source.fail(row, column, f"needs at least one user and one assistant message, has roles {sorted(roles)}")
     return messages
+
+
+def _tools_cell(source: Source, row: int, column: str, value) -> str | None:
+    """A row's tool schemas as JSON text of [{"type": "function", "function": {...}}] (LLaMA-Factory writes the
+    bare function objects; either form, as JSON text or objects)."""
+    if value is None or value == "" or value == []:
+        return None
+    tools = value
+    if isinstance(value, str):
+        try:
+            tools = json.loads(value)
+        except json.JSONDecodeError as error:
+            source.fail(row, column, f"not a JSON list of tool schemas ({error})")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        source.fail(row, column, f"expected a list of tool schemas, got {value!r:.200}")
+    out = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        if not isinstance(function.get("name"), str):
+            source.fail(row, column, f"a tool schema without a name: {tool!r:.200}")
+        out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return json.dumps(out)
 
 
 def _check_markers(source, row, text_column, images_column, texts: list[str], n_images: int,
@@ -212,12 +277,18 @@ def _check_markers(source, row, text_column, images_column, texts: list[str], n_
 
 
 def load_sharegpt(name_or_path, *, split: str = "train", messages_column: str = "messages",
-                  images_column: str = "images", check_images=True, videos_column: str = "videos") -> datasets.Dataset:
+                  images_column: str = "images", check_images=True, videos_column: str = "videos",
+                  tools_column: str = "tools") -> datasets.Dataset:
     """LLaMA-Factory/OpenVLThinker sharegpt SFT rows -> columns messages (list of {role, content};
     'from'/'value' and human/gpt are accepted and renamed), images (list of Image; [] without an images
     column), then any other columns. The number of '<image>' markers over a row's messages must equal
     its number of images; likewise '<video>' markers and the videos of `videos_column` (LLaMA-Factory's
-    convention; a video is a file, a frame folder or a list of frame paths), which become column 'videos'."""
+    convention; a video is a file, a frame folder or a list of frame paths), which become column 'videos'.
+
+    Tool use: LLaMA-Factory's `function_call` / `observation` turns and TRL's assistant `tool_calls` / `tool`
+    turns; their messages then also hold `tool_calls` (JSON text, None on other turns), and `tools_column` (the
+    schemas, JSON text or a list) becomes column 'tools' (JSON text). An observation's `<image>` markers count
+    with the others."""
     table, source = open_source(name_or_path, split)
     require_columns(table, source, {messages_column: "--messages_column"})
     videos = video_column_cells(table, source, videos_column, "videos", check_images, "--videos_column")
@@ -232,10 +303,17 @@ def load_sharegpt(name_or_path, *, split: str = "train", messages_column: str = 
         _check_markers(source, row, messages_column, videos_column, [m["content"] for m in turns],
                        len(videos[row]) if videos is not None else 0, VIDEO_MARKER)
         messages.append(turns)
-    message_feature = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+    message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    if any("tool_calls" in m for turns in messages for m in turns):
+        message["tool_calls"] = datasets.Value("string")
+        messages = [[{**m, "tool_calls": m.get("tool_calls")} for m in turns] for turns in messages]
     new = {"messages": messages}
-    features = {"messages": message_feature, "images": datasets.List(datasets.Image())}
+    features = {"messages": datasets.List(message), "images": datasets.List(datasets.Image())}
     drop = [messages_column]
+    if tools_column in table.column_names:
+        new["tools"] = [_tools_cell(source, row, tools_column, v) for row, v in enumerate(table[tools_column])]
+        features["tools"] = datasets.Value("string")
+        drop.append(tools_column)
     if videos is not None:
         new["videos"], features["videos"] = videos, VIDEOS_FEATURE
         drop.append(videos_column)

@@ -19,6 +19,7 @@ image placeholders the processor expanded.
 from __future__ import annotations
 
 import bisect
+import json
 import re
 
 import torch
@@ -49,6 +50,11 @@ def vqa_conversation(row, *, response_template="crystal_json", prompt_template=N
     return messages, images
 
 
+def sharegpt_tools(row):
+    """A sharegpt row's tool schemas (column 'tools', JSON text), None without."""
+    return json.loads(row["tools"]) if row.get("tools") else None
+
+
 def sharegpt_conversation(row, *, system_prompt=None):
     """(messages, images) for a sharegpt row (utils.core.data.load_sharegpt): each `<image>` (`<video>`) marker becomes
     an image (video) item in place; `system_prompt` is prepended when the row has no system turn. The row's
@@ -60,6 +66,8 @@ def sharegpt_conversation(row, *, system_prompt=None):
         content = [dict(items[piece]) if piece in items else {"type": "text", "text": piece}
                    for piece in pieces if piece]
         messages.append({"role": message["role"], "content": content})
+        if message.get("tool_calls"):  # a tool-calling turn (utils.core.data.load_sharegpt)
+            messages[-1]["tool_calls"] = json.loads(message["tool_calls"])
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
     return messages, list(row.get("images") or [])
@@ -69,14 +77,16 @@ def sharegpt_conversation(row, *, system_prompt=None):
 # Conversations -> token labels
 
 
-def assistant_char_spans(processor, messages, *, sample_id="?"):
-    """(rendered text, [(start, end) character spans of assistant turns]) under the model's chat template."""
+def assistant_char_spans(processor, messages, *, sample_id="?", tools=None):
+    """(rendered text, [(start, end) character spans of assistant turns]) under the model's chat template, with
+    `tools` (JSON schemas) shown as the template shows them; an assistant turn's tool calls are its text too."""
 
     if getattr(processor, "tokenizer", processor) is processor:  # text-only templates expect string content
         messages = [{**m, "content": _text_of(m["content"])} for m in messages]
+    extra = {"tools": tools} if tools else {}
 
     def render(msgs, generation_prompt):
-        return processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt, **extra)
 
     text = render(messages, False)
     spans = []
@@ -112,9 +122,11 @@ def _shift_past_expansions(span, replacements):
 
 
 def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length=None, videos=None,
-                     video_budget=None):
+                     video_budget=None, tools=None):
     """Tokenize a batch of (messages, images) for SFT (right padding); `videos` (per sample, its videos as
-    `utils.core.video.videos_of` gives them) are sampled and sized under `video_budget` (utils.core.video).
+    `utils.core.video.videos_of` gives them) are sampled and sized under `video_budget` (utils.core.video);
+    `tools` (per sample, its tool schemas or None) go to the chat template. A tool-use conversation trains on its
+    assistant turns (tool calls included) only: tool results, like prompts and images, are masked.
 
     Returns the processor's model inputs (input_ids, attention_mask, pixel values ...) plus `labels`:
     input ids on assistant tokens, IGNORE_INDEX elsewhere. A row longer than `max_length` is cut at the
@@ -122,7 +134,9 @@ def encode_sft_batch(processor, conversations, images, *, sample_ids, max_length
     else is an error naming the sample and the flag.
     """
     tokenizer = getattr(processor, "tokenizer", processor)
-    rendered = [assistant_char_spans(processor, m, sample_id=sid) for m, sid in zip(conversations, sample_ids)]
+    tools = tools or [None] * len(conversations)
+    rendered = [assistant_char_spans(processor, m, sample_id=sid, tools=t)
+                for m, sid, t in zip(conversations, sample_ids, tools)]
     texts = [text for text, _ in rendered]
     kwargs = dict(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False,
                   return_offsets_mapping=True)
