@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .logprob import _use_triton, triton
-
-if triton is not None:
-    import triton.language as tl
+from .tiling import jit, tl, triton, use_triton
 
 __all__ = ["group_advantages"]
 
@@ -31,7 +28,7 @@ def group_advantages(rewards, group_size, *, weights=None, scale="group", eps=1e
     rewards, weights = _check(rewards, group_size, weights, scale, eps)
     if group_size == 1:
         return torch.zeros(rewards.shape[0], device=rewards.device, dtype=torch.float32)
-    if _use_triton(backend, rewards):
+    if use_triton(backend, rewards):
         total, adv = _group_advantages_triton(rewards, weights, group_size, eps, normalise=scale == "group")
     else:
         scorable = ~rewards.isnan().all(dim=1)
@@ -78,11 +75,7 @@ def _check(rewards, group_size, weights, scale, eps):
     return rewards.float(), weights
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _group_advantages_kernel(
     rewards_ptr, weights_ptr, total_ptr, adv_ptr, n_rewards, group_size, eps,
     NORMALISE: tl.constexpr, BLOCK_G: tl.constexpr,

@@ -1,10 +1,11 @@
-"""Token log-probabilities without the full [N, V] logits.
+"""Token log-probabilities from the hidden states and the LM head, without the full [N, V] logits.
 
     log p(label) = z[label] - logsumexp(z),   z = (hidden @ weight.T + bias) / T
 
 `fused_token_logprobs` takes the hidden states and the LM-head weight: the vocabulary is processed in
 tiles of VOCAB_TILE columns and rows in chunks, with an online logsumexp, so memory stays
-O(rows x tile). Positions whose label is ignore_index never go through the head.
+O(rows x tile). Positions whose label is ignore_index never go through the head. Each head-GEMM tile is
+folded into the running statistics by the folds of `kernels/logits_logprob.py` (log-prob from logits).
 
 Gradients. With a trainable head the backward recomputes every tile once and accumulates the
 hidden, weight and bias gradients tile by tile. With a frozen head (LoRA, frozen lm_head) the
@@ -23,24 +24,47 @@ bf16/fp16 GEMM whose result is summed uses cuBLAS's fp32-output GEMM on CUDA; wh
 (probed once per device type) CUDA falls back to fp32 GEMMs with a warning, once, and the CPU rounds
 each tile's product to the compute dtype and sums the tiles in fp32.
 
-Over 400 lines on purpose: the Triton kernels sit beside the torch path they must equal, tile for tile,
-so that one file shows both and the tests compare them.
+Over 400 lines on purpose: the fused Triton kernel and its launch configurations sit beside the torch tile
+loops they must equal, tile for tile, and the GEMM precision rules both follow, so that one file shows the
+whole op and the tests compare its paths (they patch tile sizes and GEMMs here).
 """
 
 from __future__ import annotations
 
-import math
-import os
-import warnings
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton ships with torch on Linux; elsewhere only the torch path exists
-    triton = None
+from .logits_logprob import (
+    fold_backward_kernel,
+    fold_forward_torch,
+    fold_forward_triton,
+    naive_token_logprobs,
+    token_logprobs,
+)
+from .tiling import (
+    LOW_PRECISION,
+    SMEM_RESERVE,  # noqa: F401 (the launch rules' reserve, read here beside HEAD_CONFIGS_*)
+    Scratch,
+    check_label_range,
+    check_labels_and_temperature,
+    finish_stats,
+    fitting_configs,
+    fold_block,
+    interpreting,
+    jit,
+    new_stats,
+    num_sms,
+    plan,
+    round_by_hand,
+    round_to_bf16,
+    smem_limit,
+    tl,
+    triton,
+    use_triton,
+    warn_once,
+    with_fitting_config,
+)
 
+# token_logprobs and naive_token_logprobs stay importable from here, where they were before the split
 __all__ = ["fused_token_logprobs", "token_logprobs", "naive_token_logprobs"]
 
 # Columns of the vocabulary processed at once, and the size of one logits tile (rows x columns).
@@ -51,8 +75,6 @@ VOCAB_TILE = 8192
 TILE_ELEMENTS = 1 << 24
 CUDA_VOCAB_TILE = 16384
 CUDA_TILE_ELEMENTS = 1 << 26
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,15 +100,15 @@ def fused_token_logprobs(
     run in the autocast dtype (statistics in fp32); gradients come back in the inputs' dtypes.
     """
     _check_head_inputs(hidden, weight, labels, bias, temperature)
-    use_triton = _use_triton(backend, hidden)
+    triton_path = use_triton(backend, hidden)
     cdtype = compute_dtype(hidden, weight)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     keep = (flat_labels != ignore_index).nonzero().squeeze(1)
     kept_labels = flat_labels.index_select(0, keep)
-    _check_label_range(kept_labels, weight.shape[0], ignore_index)
+    check_label_range(kept_labels, weight.shape[0], ignore_index)
     logp, entropy = _FusedLogProb.apply(
-        flat_hidden.index_select(0, keep), weight, bias, kept_labels, 1.0 / temperature, return_entropy, use_triton,
+        flat_hidden.index_select(0, keep), weight, bias, kept_labels, 1.0 / temperature, return_entropy, triton_path,
         torch.is_grad_enabled(), cdtype,
     )
     # index_copy keeps the result connected to the graph even when no label is kept
@@ -97,55 +119,9 @@ def fused_token_logprobs(
     return logp, zeros.index_copy(0, keep, entropy).view(labels.shape)
 
 
-def token_logprobs(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    backend: str = "auto",
-):
-    """log p(label) from existing logits [..., V]: fp32 of labels' shape, 0.0 at ignore_index.
-
-    Works tile by tile (memory O(rows x tile)); no log_softmax copy of the logits is made.
-    """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
-    _check_labels_and_temperature(labels, temperature, "token_logprobs")
-    use_triton = _use_triton(backend, logits)
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    if use_triton and flat_logits.stride(1) != 1:
-        flat_logits = flat_logits.contiguous()
-    flat_labels = labels.reshape(-1)
-    keep = (flat_labels != ignore_index).nonzero().squeeze(1)
-    kept_labels = flat_labels.index_select(0, keep)
-    _check_label_range(kept_labels, logits.shape[-1], ignore_index)
-    logp = _TokenLogProb.apply(flat_logits, keep, kept_labels, 1.0 / temperature, use_triton)
-    zeros = torch.zeros(flat_labels.shape, device=logits.device, dtype=torch.float32)
-    return zeros.index_copy(0, keep, logp).view(labels.shape)
-
-
-def naive_token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False):
-    """The plain path (full log_softmax + gather), used as the reference in tests and benchmarks."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    mask = labels != ignore_index
-    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-    if not return_entropy:
-        return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
-    return logp, entropy
-
-
 # ----------------------------------------------------------------------------------------------
-# Validation and backend choice
+# Validation, compute dtype, tiles
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_labels_and_temperature(labels, temperature, where):
-    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"{where}: labels must be an integer tensor, got {labels.dtype}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"{where}: temperature must be a positive number, got {temperature!r}")
 
 
 def _check_head_inputs(hidden, weight, labels, bias, temperature):
@@ -158,31 +134,7 @@ def _check_head_inputs(hidden, weight, labels, bias, temperature):
                          f"got {tuple(labels.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"{where}: bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-    _check_labels_and_temperature(labels, temperature, where)
-
-
-def _check_label_range(kept_labels, vocab, ignore_index):
-    if kept_labels.numel() and (kept_labels.min() < 0 or kept_labels.max() >= vocab):
-        bad = kept_labels[(kept_labels < 0) | (kept_labels >= vocab)][0].item()
-        raise ValueError(f"label {bad} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return triton is not None and tensor.is_cuda
-    if triton is None:
-        raise RuntimeError("backend='triton' but triton is not installed")
-    if not tensor.is_cuda and not _interpreting():
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on the CPU)")
-    return True
+    check_labels_and_temperature(labels, temperature, where)
 
 
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -194,29 +146,11 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared helpers
-# ----------------------------------------------------------------------------------------------
-
-
 def _plan(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int]:
     """(rows per chunk, columns per tile) for a tile of at most TILE_ELEMENTS."""
-    cuda = device.type == "cuda"
-    tile = max(1, min(CUDA_VOCAB_TILE if cuda else VOCAB_TILE, n_cols))
-    return max(1, min(n_rows, (CUDA_TILE_ELEMENTS if cuda else TILE_ELEMENTS) // tile)), tile
-
-
-class _Scratch:
-    """Flat buffers reused by every tile; each view is contiguous whatever the tile's width."""
-
-    def __init__(self, numel, device):
-        self.numel, self.device, self.buffers = numel, device, {}
-
-    def get(self, name, rows, cols, dtype):
-        buf = self.buffers.get(name)
-        if buf is None or buf.dtype != dtype:
-            buf = self.buffers[name] = torch.empty(self.numel, device=self.device, dtype=dtype)
-        return buf[: rows * cols].view(rows, cols)
+    if device.type == "cuda":
+        return plan(n_rows, n_cols, CUDA_VOCAB_TILE, CUDA_TILE_ELEMENTS)
+    return plan(n_rows, n_cols, VOCAB_TILE, TILE_ELEMENTS)
 
 
 def _logits_tile(h, w, b, inv_t, out):
@@ -229,12 +163,6 @@ def _logits_tile(h, w, b, inv_t, out):
 # device type -> (has a bf16/fp16 GEMM with fp32 output, why not), probed once
 _FP32_OUT_GEMM: dict = {}
 _WARNED: set = set()
-
-
-def _warn_once(key, message):
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _fp32_out_gemm(device) -> tuple[bool, str]:
@@ -261,9 +189,9 @@ def _low_precision_gemm_mode(device) -> str:
         return "fp32_out"
     if device.type == "cpu":
         return "round"
-    _warn_once(("fp32-gemm", device.type),
-               f"fused_token_logprobs: torch {torch.__version__} has no bf16/fp16 GEMM with fp32 output on "
-               f"{device.type} ({why}); its head GEMMs fall back to fp32 (no tensor cores, several times slower)")
+    warn_once(_WARNED, ("fp32-gemm", device.type),
+              f"fused_token_logprobs: torch {torch.__version__} has no bf16/fp16 GEMM with fp32 output on "
+              f"{device.type} ({why}); its head GEMMs fall back to fp32 (no tensor cores, several times slower)")
     return "fp32"
 
 
@@ -273,7 +201,7 @@ def _raw_logits_fp32(h, w, out):
     Forward statistics come from fp32 logits, so the recomputed tiles must be fp32 too: probabilities
     from bf16-rounded logits would not sum to one under the forward's logsumexp.
     """
-    if h.dtype not in _LOW_PRECISION:
+    if h.dtype not in LOW_PRECISION:
         return torch.mm(h, w.t(), out=out)
     if _low_precision_gemm_mode(h.device) == "fp32_out":
         return torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
@@ -286,7 +214,7 @@ def _addmm_fp32(acc, a, b, alpha=1.0, beta=1.0):
 
     beta = 0 ignores acc's content (it may be uninitialised).
     """
-    if b.dtype not in _LOW_PRECISION:
+    if b.dtype not in LOW_PRECISION:
         acc.addmm_(a.to(b.dtype), b, alpha=alpha, beta=beta)
         return
     mode = _low_precision_gemm_mode(acc.device)
@@ -302,57 +230,9 @@ def _addmm_fp32(acc, a, b, alpha=1.0, beta=1.0):
         acc.addmm_(a.to(b.dtype).float(), b.float(), alpha=alpha, beta=beta)
 
 
-def _new_stats(n, device, with_entropy):
-    f32 = {"device": device, "dtype": torch.float32}
-    return {
-        "max": torch.full((n,), -math.inf, **f32),
-        "sumexp": torch.zeros(n, **f32),
-        # sum_j e_j (z_j - max): the entropy is log(sumexp) - this / sumexp
-        "zexp": torch.zeros(n, **f32) if with_entropy else None,
-        "target": torch.zeros(n, **f32),
-    }
-
-
-def _finish_stats(stats):
-    log_sum = stats["sumexp"].log()
-    lse = stats["max"] + log_sum
-    entropy = None if stats["zexp"] is None else log_sum - stats["zexp"] / stats["sumexp"]
-    return lse, stats["target"], entropy
-
-
 # ----------------------------------------------------------------------------------------------
-# Torch tile folds (the reference; what runs on the CPU)
+# Torch tile gradient (the reference; what runs on the CPU)
 # ----------------------------------------------------------------------------------------------
-
-
-def _fold_forward_torch(z, labels, col0, stats, scratch):
-    """Fold one fp32 tile of tempered logits into the running statistics (z is overwritten).
-
-    Returns (e, rescale): e = exp(z - new max), rescale = exp(old max - new max) per row.
-    """
-    rows, cols = z.shape
-    local = labels - col0
-    hit = (local >= 0) & (local < cols)
-    picked = z.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
-    stats["target"].add_(torch.where(hit, picked, 0.0))
-
-    old_max, old_sum = stats["max"], stats["sumexp"]
-    new_max = torch.maximum(old_max, z.amax(1))
-    # rows masked to -inf so far (logits given with -inf) keep max -inf; centre them on 0 instead
-    centre = torch.where(torch.isinf(new_max), 0.0, new_max)
-    rescale = torch.exp(old_max - centre)
-    z.sub_(centre.unsqueeze(1))
-    if stats["zexp"] is not None:
-        e = torch.exp(z, out=scratch.get("exp", rows, cols, torch.float32))
-        tile_zexp = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(rows)  # row-wise dot, no temporary
-        # re-centre the old sum on the new max; (-inf) * 0 on the first tile is masked out
-        shift = torch.where(old_sum > 0, old_max - centre, 0.0) * old_sum
-        stats["zexp"].add_(shift).mul_(rescale).add_(tile_zexp)
-    else:
-        e = z.exp_()
-    old_sum.mul_(rescale).add_(e.sum(1))
-    old_max.copy_(new_max)
-    return e, rescale
 
 
 def _tile_grad_torch(z, labels, col0, lse, entropy, g, g_ent, scratch):
@@ -426,14 +306,14 @@ def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expec
     """Forward over (row chunk, vocab tile) pairs in cdtype; with expected_row also sums E_p[W] per row."""
     n, vocab = hidden.shape[0], weight.shape[0]
     rows, tile = _plan(n, vocab, hidden.device)
-    scratch = _Scratch(rows * tile, hidden.device)
+    scratch = Scratch(rows * tile, hidden.device)
     lse = torch.empty(n, device=hidden.device, dtype=torch.float32)
     target, entropy = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else None
     delta = torch.empty_like(hidden) if expected_row else None
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         h, lab = hidden[r0:r1].to(cdtype), labels[r0:r1]
-        stats = _new_stats(r1 - r0, hidden.device, with_entropy)
+        stats = new_stats(r1 - r0, hidden.device, with_entropy)
         expect = torch.zeros(r1 - r0, hidden.shape[1], device=hidden.device) if expected_row else None
         for v0 in range(0, vocab, tile):
             v1 = min(v0 + tile, vocab)
@@ -442,15 +322,15 @@ def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expec
             if use_triton:
                 x = _raw_logits_fp32(h, w, scratch.get("z32", r1 - r0, v1 - v0, torch.float32))
                 e_out = scratch.get("e", r1 - r0, v1 - v0, cdtype) if expected_row else None
-                e, rescale = _fold_forward_triton(x, lab, v0, stats, inv_t, bias=bias, e_out=e_out)
+                e, rescale = fold_forward_triton(x, lab, v0, stats, inv_t, bias=bias, e_out=e_out)
             else:
                 z = _logits_tile(h, w, b, inv_t, scratch.get("z", r1 - r0, v1 - v0, cdtype))
                 if z.dtype != torch.float32:
                     z = scratch.get("z32", r1 - r0, v1 - v0, torch.float32).copy_(z)
-                e, rescale = _fold_forward_torch(z, lab, v0, stats, scratch)
+                e, rescale = fold_forward_torch(z, lab, v0, stats, scratch)
             if expected_row:
                 _addmm_fp32(expect.mul_(rescale.unsqueeze(1)), e, w)
-        lse[r0:r1], target[r0:r1], ent = _finish_stats(stats)
+        lse[r0:r1], target[r0:r1], ent = finish_stats(stats)
         if with_entropy:
             entropy[r0:r1] = ent
         if expected_row:
@@ -470,7 +350,7 @@ def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, i
     vocab = weight.shape[0]
     device = hidden.device
     rows, tile = _plan(n, vocab, device)
-    scratch = _Scratch(rows * tile, device)
+    scratch = Scratch(rows * tile, device)
     row_scale = (g if g_ent is None else torch.ones_like(g)) * inv_t  # c_i / T
     soft_sum = torch.empty(n, hdim, device=device) if need_h else None  # sum_j q_ij W_j
     # rows of hidden pre-scaled by c_i / T, in the compute dtype (the weight-gradient GEMM's operand)
@@ -521,89 +401,11 @@ def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, i
 
 
 # ----------------------------------------------------------------------------------------------
-# Logits given: autograd Function
+# The fused Triton kernel, its launch configurations and launchers
 # ----------------------------------------------------------------------------------------------
 
 
-class _TokenLogProb(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, keep, labels, inv_t, use_triton):
-        n, vocab = keep.shape[0], logits.shape[1]
-        stats = _new_stats(n, logits.device, with_entropy=False)
-        if use_triton and n:
-            _fold_forward_triton(logits, labels, 0, stats, inv_t, row_index=keep)
-        elif n:
-            rows, tile = _plan(n, vocab, logits.device)
-            scratch = _Scratch(rows * tile, logits.device)
-            for r0 in range(0, n, rows):
-                idx = keep[r0 : r0 + rows]
-                chunk = {k: None if v is None else v[r0 : r0 + rows] for k, v in stats.items()}
-                for v0 in range(0, vocab, tile):
-                    z = _gather_tile(logits, idx, v0, min(v0 + tile, vocab), inv_t, scratch)
-                    _fold_forward_torch(z, labels[r0 : r0 + rows], v0, chunk, scratch)
-        lse, target, _ = _finish_stats(stats)
-        ctx.save_for_backward(logits, keep, labels, lse)
-        ctx.inv_t, ctx.use_triton = inv_t, use_triton
-        return target - lse
-
-    @staticmethod
-    def backward(ctx, g):
-        logits, keep, labels, lse = ctx.saved_tensors
-        inv_t, n, vocab = ctx.inv_t, keep.shape[0], logits.shape[1]
-        grad = torch.zeros_like(logits)
-        if n == 0:
-            return grad, None, None, None, None
-        g = g.float().contiguous()
-        if ctx.use_triton:
-            _logits_grad_triton(logits, keep, labels, lse, g, inv_t, grad)
-            return grad, None, None, None, None
-        rows, tile = _plan(n, vocab, logits.device)
-        scratch = _Scratch(rows * tile, logits.device)
-        for r0 in range(0, n, rows):
-            idx, g_rows = keep[r0 : r0 + rows], g[r0 : r0 + rows]
-            for v0 in range(0, vocab, tile):
-                v1 = min(v0 + tile, vocab)
-                z = _gather_tile(logits, idx, v0, v1, inv_t, scratch)
-                p = z.sub_(lse[r0 : r0 + rows].unsqueeze(1)).exp_()
-                grad[:, v0:v1].index_copy_(0, idx, p.mul_((-inv_t * g_rows).unsqueeze(1)).to(grad.dtype))
-        # the one-hot part of d logp / dz
-        grad.index_put_((keep, labels), (g * inv_t).to(grad.dtype), accumulate=True)
-        return grad, None, None, None, None
-
-
-def _gather_tile(logits, idx, v0, v1, inv_t, scratch):
-    """fp32 copy of logits[idx, v0:v1] / T, in a reused buffer."""
-    out = scratch.get("z32", idx.shape[0], v1 - v0, torch.float32)
-    if logits.dtype == torch.float32:
-        torch.index_select(logits[:, v0:v1], 0, idx, out=out)
-    else:
-        out.copy_(logits[:, v0:v1].index_select(0, idx))
-    return out.mul_(inv_t) if inv_t != 1.0 else out
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton kernels and their launchers
-# ----------------------------------------------------------------------------------------------
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-def _round_by_hand(dtype) -> bool:
-    """The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even: round by hand there."""
-    return _interpreting() and dtype == torch.bfloat16
-
-
-@_jit
-def _round_to_bf16(x):
-    # fp32 -> the nearest bf16 value (ties to even), still in fp32; a later cast to bf16 is then exact
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@_jit
+@jit
 def _head_stats_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr, max_ptr, sum_ptr, zexp_ptr, target_ptr,
     n_rows, vocab, hdim, cols_per_split, n_splits, inv_t, stride_h, stride_w,
@@ -637,7 +439,7 @@ def _head_stats_kernel(
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if CAST_W:  # autocast over fp32 weights: the tile is cast here, no bf16 copy of the head exists
                 if ROUND_BY_HAND:
-                    w = _round_to_bf16(w)
+                    w = round_to_bf16(w)
                 else:
                     w = w.to(h.dtype)
             if UPCAST:  # the Triton interpreter multiplies bf16 operands as raw bits
@@ -666,108 +468,6 @@ def _head_stats_kernel(
         tl.store(zexp_ptr + out, run_zexp, mask=row_ok)
 
 
-@_jit
-def _fold_forward_kernel(
-    x_ptr, stride_x, row_index_ptr, labels_ptr, b_ptr, e_ptr, stride_e, max_ptr, sum_ptr, zexp_ptr, target_ptr,
-    rescale_ptr, n_cols, col0, scale,
-    HAS_ROW_INDEX: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, WRITE_EXP: tl.constexpr,
-    ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # One program per row: fold z = (x + b) * scale into the running statistics. With WRITE_EXP,
-    # exp(z - new max) goes to e for the expected-head-row GEMM that follows.
-    row = tl.program_id(0)
-    if HAS_ROW_INDEX:
-        src = tl.load(row_index_ptr + row).to(tl.int64)
-    else:
-        src = row.to(tl.int64)
-    x_row = x_ptr + src * stride_x
-    label = tl.load(labels_ptr + row) - col0
-    tile_max = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        z = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(b_ptr + col0 + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        tile_max = tl.maximum(tile_max, z * scale)
-    old_max = tl.load(max_ptr + row)
-    new_max = tl.maximum(old_max, tl.max(tile_max, axis=0))
-    centre = tl.where(new_max == float("-inf"), 0.0, new_max)
-    sum_vec = tl.zeros((BLOCK,), tl.float32)
-    zexp_vec = tl.zeros((BLOCK,), tl.float32)
-    target_vec = tl.zeros((BLOCK,), tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        z = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(b_ptr + col0 + cols, mask=ok, other=0.0).to(tl.float32)
-        z = z * scale
-        e = tl.where(ok, tl.exp(z - centre), 0.0)
-        sum_vec += e
-        if WITH_ENTROPY:
-            zexp_vec += e * tl.where(ok, z - centre, 0.0)
-        target_vec += tl.where(ok & (cols == label), z, 0.0)
-        if WRITE_EXP:
-            if ROUND_BY_HAND:
-                e = _round_to_bf16(e)
-            tl.store(e_ptr + row.to(tl.int64) * stride_e + cols, e.to(e_ptr.dtype.element_ty), mask=ok)
-    old_sum = tl.load(sum_ptr + row)
-    rescale = tl.exp(old_max - centre)
-    if WITH_ENTROPY:
-        shift = tl.where(old_sum > 0, old_max - centre, 0.0) * old_sum
-        tl.store(zexp_ptr + row, (tl.load(zexp_ptr + row) + shift) * rescale + tl.sum(zexp_vec, axis=0))
-    tl.store(sum_ptr + row, old_sum * rescale + tl.sum(sum_vec, axis=0))
-    tl.store(max_ptr + row, new_max)
-    tl.store(target_ptr + row, tl.load(target_ptr + row) + tl.sum(target_vec, axis=0))
-    if WRITE_EXP:
-        tl.store(rescale_ptr + row, rescale)
-
-
-@_jit
-def _fold_backward_kernel(
-    x_ptr, stride_x, out_ptr, stride_out, row_index_ptr, labels_ptr, b_ptr, lse_ptr, entropy_ptr, g_ptr, g_ent_ptr,
-    n_cols, col0, scale, out_scale,
-    HAS_ROW_INDEX: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BY_G: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # out = out_scale * (a [j = label] - p_j * c) with a = (g or 1) and c = a + g_ent * (log p_j + entropy)
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    if HAS_ROW_INDEX:
-        src = tl.load(row_index_ptr + row).to(tl.int64)
-    else:
-        src = row.to(tl.int64)
-    z = tl.load(x_ptr + src * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(b_ptr + col0 + cols, mask=ok, other=0.0).to(tl.float32)
-    z = z * scale
-    logp = z - tl.load(lse_ptr + row)
-    p = tl.exp(logp)
-    if SCALE_BY_G:
-        c = tl.load(g_ptr + row) + tl.zeros((BLOCK,), tl.float32)
-    else:
-        c = tl.full((BLOCK,), 1.0, tl.float32)
-    if HAS_ENTROPY_GRAD:
-        c += tl.load(g_ent_ptr + row) * (logp + tl.load(entropy_ptr + row))
-    grad = -p * c
-    if SCALE_BY_G:
-        onehot = tl.load(g_ptr + row)
-    else:
-        onehot = 1.0
-    grad += tl.where(cols == tl.load(labels_ptr + row) - col0, onehot, 0.0)
-    grad = grad * out_scale
-    if ROUND_BY_HAND:
-        grad = _round_to_bf16(grad)
-    tl.store(out_ptr + src * stride_out + cols, grad.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 # Launch configurations of the fused head kernel, best first: (BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
 # num_stages). Each pipeline stage holds a BLOCK_N x BLOCK_H hidden tile and a BLOCK_V x BLOCK_H weight
 # tile in shared memory; the first that fits the card's per-block limit is used (128 x 128 x 64 in 3
@@ -786,8 +486,6 @@ HEAD_CONFIGS_FP32 = [
     (32, 32, 32, 4, 1),
 ]
 INTERPRETER_HEAD_CONFIG = (16, 32, 16, 1, 1)
-SMEM_RESERVE = 8 * 1024  # reductions and layout conversions of the epilogue
-SMEM_FALLBACK = 99 * 1024  # when the device does not report its opt-in limit: the smallest recent card's
 _HEAD_CONFIG_CACHE: dict = {}
 
 
@@ -797,21 +495,12 @@ def head_smem_bytes(config, h_bytes, w_bytes) -> int:
     return max(1, stages) * block_h * (block_n * h_bytes + block_v * w_bytes)
 
 
+
 def head_configs(cdtype, w_dtype, smem_limit) -> list:
     """The launch configurations that fit `smem_limit` bytes per block, best first (never empty)."""
-    candidates = HEAD_CONFIGS_LOW_PRECISION if cdtype in _LOW_PRECISION else HEAD_CONFIGS_FP32
+    candidates = HEAD_CONFIGS_LOW_PRECISION if cdtype in LOW_PRECISION else HEAD_CONFIGS_FP32
     h_bytes, w_bytes = torch.empty((), dtype=cdtype).element_size(), torch.empty((), dtype=w_dtype).element_size()
-    fitting = [c for c in candidates if head_smem_bytes(c, h_bytes, w_bytes) + SMEM_RESERVE <= smem_limit]
-    return fitting or [min(candidates, key=lambda c: head_smem_bytes(c, h_bytes, w_bytes))]
-
-
-def _smem_limit(device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 0) or SMEM_FALLBACK
-
-
-def _fold_block(n_cols):
-    return 32 if _interpreting() else min(1024, triton.next_power_of_2(max(n_cols, 16)))
+    return fitting_configs(candidates, lambda c: head_smem_bytes(c, h_bytes, w_bytes), smem_limit)
 
 
 def _head_stats_triton(hidden, weight, bias, labels, inv_t, with_entropy, cdtype):
@@ -822,29 +511,16 @@ def _head_stats_triton(hidden, weight, bias, labels, inv_t, with_entropy, cdtype
         return empty, empty, (empty if with_entropy else None)
     hidden = hidden.to(cdtype).contiguous()
     weight = weight.contiguous()
-    if _interpreting():  # the interpreter has no shared memory limit; tests set the config to run
+    if interpreting():  # the interpreter has no shared memory limit; tests set the config to run
         return _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy, INTERPRETER_HEAD_CONFIG)
     key = (hidden.device.index, cdtype, weight.dtype)
-    return _with_fitting_config(key, lambda: head_configs(cdtype, weight.dtype, _smem_limit(hidden.device)),
+    return _with_fitting_config(key, lambda: head_configs(cdtype, weight.dtype, smem_limit(hidden.device)),
                                 lambda config: _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy,
                                                                   config))
 
-
 def _with_fitting_config(key, candidates, launch):
-    """launch(config) with the best cached configuration for `key` (candidates() the first time). One the GPU
-    rejects (Triton's OutOfResources: the estimate was short) is dropped for good, with a warning, once."""
-    if key not in _HEAD_CONFIG_CACHE:
-        _HEAD_CONFIG_CACHE[key] = list(candidates())
-    configs = _HEAD_CONFIG_CACHE[key]
-    while True:
-        try:
-            return launch(configs[0])
-        except triton.runtime.errors.OutOfResources as err:
-            if len(configs) == 1:
-                raise
-            _warn_once(("head-config", key, configs[0]), f"fused_token_logprobs: launch configuration {configs[0]} "
-                       f"does not fit this GPU ({err}); using {configs[1]}")
-            configs.pop(0)
+    """launch(config) with the head kernel's best configuration for `key` (see tiling.with_fitting_config)."""
+    return with_fitting_config(_HEAD_CONFIG_CACHE, key, candidates, launch, _WARNED, "fused_token_logprobs")
 
 
 def _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy, config):
@@ -854,16 +530,16 @@ def _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy, config
     block_n, block_v, block_h, warps, stages = config
     row_blocks = triton.cdiv(n, block_n)
     vocab_blocks = triton.cdiv(vocab, block_v)
-    wanted = 2 if _interpreting() else triton.cdiv(4 * _num_sms(hidden.device), row_blocks)
+    wanted = 2 if interpreting() else triton.cdiv(4 * num_sms(hidden.device), row_blocks)
     cols_per_split = triton.cdiv(vocab_blocks, max(1, min(wanted, vocab_blocks))) * block_v
     n_splits = triton.cdiv(vocab, cols_per_split)
     parts = {name: torch.empty(n, n_splits, **f32) for name in ("max", "sumexp", "zexp", "target")}
-    low = hidden.dtype in _LOW_PRECISION
+    low = hidden.dtype in LOW_PRECISION
     _head_stats_kernel[(row_blocks, n_splits)](
         hidden, weight, hidden if bias is None else bias, labels, parts["max"], parts["sumexp"], parts["zexp"],
         parts["target"], n, vocab, hdim, cols_per_split, n_splits, inv_t, hidden.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, DOT_PRECISION="tf32" if low else "ieee",
-        UPCAST=_interpreting() and low, CAST_W=weight.dtype != hidden.dtype, ROUND_BY_HAND=_round_by_hand(hidden.dtype),
+        UPCAST=interpreting() and low, CAST_W=weight.dtype != hidden.dtype, ROUND_BY_HAND=round_by_hand(hidden.dtype),
         BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=warps, num_stages=stages,
     )
     # merge the splits' online statistics
@@ -877,45 +553,15 @@ def _launch_head_stats(hidden, weight, bias, labels, inv_t, with_entropy, config
         entropy = sumexp.log() - zexp / sumexp
     return lse, parts["target"].sum(1), entropy
 
-
-def _fold_forward_triton(x, labels, col0, stats, scale, *, bias=None, e_out=None, row_index=None):
-    """Fold rows of x (a tile, or whole logits rows picked by row_index) into stats, in place.
-
-    With e_out, also writes exp(z - new max) there and returns (e_out, rescale per row).
-    """
-    n_rows = labels.shape[0]
-    write_exp = e_out is not None
-    rescale = torch.empty(n_rows, device=x.device, dtype=torch.float32) if write_exp else stats["max"]
-    zexp = stats["zexp"] if stats["zexp"] is not None else stats["sumexp"]
-    e_out = x if e_out is None else e_out
-    _fold_forward_kernel[(n_rows,)](
-        x, x.stride(0), labels if row_index is None else row_index, labels, x if bias is None else bias,
-        e_out, e_out.stride(0), stats["max"], stats["sumexp"], zexp, stats["target"], rescale, x.shape[1], col0, scale,
-        HAS_ROW_INDEX=row_index is not None, HAS_BIAS=bias is not None, WITH_ENTROPY=stats["zexp"] is not None,
-        WRITE_EXP=write_exp, ROUND_BY_HAND=_round_by_hand(e_out.dtype), BLOCK=_fold_block(x.shape[1]),
-    )
-    return (e_out, rescale) if write_exp else (None, None)
-
-
 def _tile_grad_triton(x, out, labels, col0, lse, entropy, g, g_ent, inv_t, bias):
     """Minus the tile's logits gradient up to the row factor c (as _tile_grad_torch), from raw
     fp32 logits x into out (in the GEMM dtype)."""
     rows, cols = x.shape
-    block = _fold_block(cols)
-    _fold_backward_kernel[(rows, triton.cdiv(cols, block))](
+    block = fold_block(cols)
+    fold_backward_kernel[(rows, triton.cdiv(cols, block))](
         x, x.stride(0), out, out.stride(0), lse, labels, x if bias is None else bias, lse,
         lse if entropy is None else entropy, g, g if g_ent is None else g_ent, cols, col0, inv_t, -1.0,
         HAS_ROW_INDEX=False, HAS_BIAS=bias is not None, SCALE_BY_G=g_ent is not None,
-        HAS_ENTROPY_GRAD=g_ent is not None, ROUND_BY_HAND=_round_by_hand(out.dtype), BLOCK=block,
+        HAS_ENTROPY_GRAD=g_ent is not None, ROUND_BY_HAND=round_by_hand(out.dtype), BLOCK=block,
     )
     return out
-
-
-def _logits_grad_triton(logits, keep, labels, lse, g, inv_t, grad):
-    vocab = logits.shape[1]
-    block = _fold_block(vocab)
-    _fold_backward_kernel[(keep.shape[0], triton.cdiv(vocab, block))](
-        logits, logits.stride(0), grad, grad.stride(0), keep, labels, lse, lse, lse, g, g, vocab, 0, inv_t, inv_t,
-        HAS_ROW_INDEX=True, HAS_BIAS=False, SCALE_BY_G=True, HAS_ENTROPY_GRAD=False,
-        ROUND_BY_HAND=_round_by_hand(grad.dtype), BLOCK=block,
-    )
