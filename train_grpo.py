@@ -9,11 +9,12 @@ normalise the weighted reward within each group into advantages, and minimise th
 an optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
 """
 
+import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
 import torch
 from accelerate.utils import gather_object
@@ -22,9 +23,8 @@ from transformers import TrainerState
 from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
-from utils.core.checkpoint import save_checkpoint
 from utils.core.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
-from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from utils.core.config import ConfigError, choice, parse_config
 from utils.core.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
 from utils.core.data import images_of, load_vqa
 from utils.core.encoding import encode_prompts
@@ -45,6 +45,7 @@ from utils.core.models import disable_dropout, load_model_and_processor, prepare
 from utils.core.packing import resolve_padding_free
 from utils.core.pcgrad import PCGradAccumulator
 from utils.core.prompts import PROMPT_TEMPLATES, build_messages
+from utils.core.records import Record
 from utils.core.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.core.rollout import (
     check_no_logits_shaping,
@@ -55,9 +56,11 @@ from utils.core.rollout import (
 )
 from utils.core.run import (
     finish_run,
+    is_due,
     make_accelerator,
     prepare_training,
     resume_run,
+    save_and_push,
     seed_run,
     start_logging,
     train_summary,
@@ -336,16 +339,112 @@ def build_rewards(cfg, columns):
     return fns
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a step's completions live: G per prompt, B per process in each of the step's GA micro-batches, so
+    that the `world` processes together hold B x world completions of a micro-batch, a whole number of groups
+    (`validate` checks it; a group may span processes). The one place G is read from the flags."""
+
+    G: int  # completions per prompt (--num_generations)
+    B: int  # completions per process per micro-batch (--per_device_train_batch_size)
+    GA: int  # micro-batches per optimizer step (--gradient_accumulation_steps)
+    rank: int
+    world: int
+
+    @classmethod
+    def of(cls, cfg, accelerator):
+        return cls(cfg.num_generations, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                   accelerator.process_index, accelerator.num_processes)
+
+    @property
+    def prompts_per_micro(self):
+        return self.B * self.world // self.G
+
+    @property
+    def local(self):
+        """This process's completions of a full micro-batch (the gathered rewards, the advantages)."""
+        return slice(self.rank * self.B, (self.rank + 1) * self.B)
+
+
+@dataclass
+class MicroBatch(Record):
+    """One micro-batch of a step as this process holds it: its share of the completions (B, or fewer in a
+    --dynamic_sampling refill), G per prompt across the processes. The phases of the step fill it in order:
+    sampling (`rollout`), scoring (`score_micro_batch`), the advantages (`add_advantages`) and the log-probs that stay
+    fixed for the round (`add_fixed_logprobs`); the optimisation pass and the logs read it. [.] shapes: B completions
+    of this process, L completion tokens."""
+
+    # sampled: `rollout` (from `sample_micro_batch`, `rebuild_micro_batch` or the difficulty estimate)
+    prompt_rows: list  # data set indices of the micro-batch's prompts, every process's (one per group)
+    rows: list  # this process's data set rows, one per completion
+    indices: list  # their data set indices (equal indices: the same prompt)
+    ids: list  # their sample ids (errors, completions.jsonl)
+    messages: list  # their chat messages
+    prompt_batch: Any  # the encoded prompts: one row per completion, or per distinct prompt with prompt_index
+    prompt_index: Optional[torch.Tensor]  # [B] each completion's row of prompt_batch; None: one row each
+    completion_ids: torch.Tensor  # [B, L] the sampled tokens, right-padded
+    completion_mask: torch.Tensor  # [B, L] 1 on sampled tokens
+    texts: list  # the decoded completions
+    token_ids: list  # each completion's tokens, unpadded
+    sampler_logps: Optional[torch.Tensor] = None  # [B, L] vLLM's log-prob of each sampled token; None: HF rollout
+    # scored: `score_micro_batch`
+    rewards: Optional[torch.Tensor] = None  # [completions of every process, reward functions]; NaN: not scored
+    extra: dict = field(default_factory=dict)  # the columns the rewards logged for these completions
+    all_token_ids: Optional[list] = None  # every process's token_ids (--dynamic_sampling regroups completions)
+    all_sampler_logps: Optional[list] = None  # every process's vLLM log-probs, unpadded (--dynamic_sampling)
+    # advantages: `add_advantages`
+    all_advantages: Optional[torch.Tensor] = None  # [completions of every process] ([.., rewards] under PCGrad)
+    advantages: Optional[torch.Tensor] = None  # this process's rows of all_advantages, on the device
+    truncated: Optional[torch.Tensor] = None  # [B] True where a completion was cut at --max_completion_length
+    loss_mask: Optional[torch.Tensor] = None  # [B, L] completion_mask, less truncated completions with
+    #                                            --mask_truncated_completions
+    # fixed for the round: `add_fixed_logprobs`
+    old_logps: Optional[torch.Tensor] = None  # [B, L] the behaviour policy's (--num_iterations > 1); None: detached
+    ref_logps: Optional[torch.Tensor] = None  # [B, L] the reference model's (--beta != 0)
+
+
+@dataclass
+class Rollouts:
+    """What sampling and scoring read, fixed for the run."""
+
+    cfg: GRPOConfig
+    accelerator: Any
+    layout: Layout
+    policy: Any  # the prepared CompletionLogProbs
+    processor: Any
+    dataset: Any
+    reward_fns: list
+    reward_weights: torch.Tensor  # [reward functions]
+    stop_ids: list
+    suppress_ids: list
+    vllm: Optional[VLLMRollout] = None  # --use_vllm's engine
+    compiled: Optional[CompiledRollout] = None  # --cache_implementation static's decode step
+
+
+@dataclass
+class PassResult:
+    """What one optimisation pass (one optimizer step) leaves for the log."""
+
+    loss: Any  # the step's loss (this process)
+    stats: list  # clipped_policy_loss's stats, one per micro-batch
+    grad_norm: Optional[torch.Tensor]  # before clipping; None: not clipped
+    vllm_stats: list  # the sampler mismatch per micro-batch (--use_vllm)
+
+
+@contextlib.contextmanager
+def timed(timings, key):
+    """Add the seconds the block takes to timings[key] (the step's time/<key> metric)."""
+    t0 = time.perf_counter()
+    yield
+    timings[key] += time.perf_counter() - t0
+
+
 def main(cfg: GRPOConfig):
     accelerator = make_accelerator(cfg, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                    mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg, accelerator.num_processes, accelerator.distributed_type.name)
     seed_run(cfg)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    B, G = cfg.per_device_train_batch_size, cfg.num_generations
-    GA, mu = cfg.gradient_accumulation_steps, cfg.num_iterations
-    prompts_per_micro = B * world // G
-    local = slice(rank * B, (rank + 1) * B)  # this process's completions of a micro-batch
+    layout, mu = Layout.of(cfg, accelerator), cfg.num_iterations
 
     # ---- data and rewards (validated before any model is loaded) ----
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
@@ -373,11 +472,11 @@ def main(cfg: GRPOConfig):
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
     padding_free = resolve_padding_free(cfg.padding_free, model, accelerator.print)
     policy = CompletionLogProbs(model, padding_free=padding_free)
-    rounds_per_epoch = math.ceil(len(dataset) / (prompts_per_micro * GA))
+    rounds_per_epoch = math.ceil(len(dataset) / (layout.prompts_per_micro * layout.GA))
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
     policy, optimizer, scheduler = prepare_training(
         accelerator, cfg, policy, [p for p in policy.parameters() if p.requires_grad], max_steps=max_steps,
-        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=B)
+        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=layout.B)
     ref_policy = (prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=padding_free)
                   if cfg.beta != 0.0 else None)
     if ref_policy is not None and cfg.disable_dropout:
@@ -395,26 +494,23 @@ def main(cfg: GRPOConfig):
         zero3=plugin is not None and plugin.zero_stage == 3, notice=accelerator.print) else None
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
+    ro = Rollouts(cfg=cfg, accelerator=accelerator, layout=layout, policy=policy, processor=processor,
+                  dataset=dataset, reward_fns=reward_fns, reward_weights=reward_weights, stop_ids=stop_ids,
+                  suppress_ids=suppress_ids, vllm=vllm, compiled=compiled)
 
     # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
     state, _ = resume_run(accelerator, cfg)
     global_step, round_index = state.get("global_step", 0), state.get("round_index", 0)
-    stages = {"all": list(range(len(dataset)))}
+    stages, levels = {"all": list(range(len(dataset)))}, None
     if cfg.curriculum:
-        levels = state.get("difficulty_levels") or difficulty_levels(cfg, dataset, policy, processor, accelerator,
-                                                                     reward_fns, stop_ids, suppress_ids)
+        levels = state.get("difficulty_levels") or difficulty_levels(ro)
         stages = stage_indices(levels, cfg.curriculum)
         accelerator.print("curriculum: " + ", ".join(f"{k} {len(v)} questions" for k, v in stages.items()))
     sampler = CurriculumSampler(stages, seed=cfg.seed, total_steps=max_steps)
     if state:
         sampler.load_state_dict(state["sampler"])
     logger, uploader = start_logging(accelerator, cfg, total_steps=max_steps, start_step=global_step)
-
-    # the rollout's inputs that stay fixed for the run; each step adds its round, step, trainer state and logs
-    rollout_inputs = dict(policy=policy, processor=processor, dataset=dataset, reward_fns=reward_fns, cfg=cfg,
-                          accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm,
-                          compiled=compiled)
-    loss_divisor = accumulation_divisor(cfg.loss_type, GA)  # a micro-batch's loss / this = its share of the step
+    loss_divisor = accumulation_divisor(cfg.loss_type, layout.GA)  # a micro-batch's loss / this = its step share
 
     heldout_before = state.get("heldout_before")
     if eval_set is not None and cfg.eval_before and global_step == 0:
@@ -425,139 +521,44 @@ def main(cfg: GRPOConfig):
     train_start = time.perf_counter()
 
     while global_step < max_steps:
-        # ---- 1. rollout + rewards: GA micro-batches of B completions per process, G per prompt across processes ----
         round_start = time.perf_counter()
         timings = dict.fromkeys(("generation", "rewards", "logprob", "backward"), 0.0)
-        trainer_state = TrainerState(global_step=global_step, max_steps=max_steps)
         reward_log = RewardLog()
-        policy.eval()
-        step_inputs = dict(rollout_inputs, round_index=round_index, step=global_step, trainer_state=trainer_state,
-                           reward_log=reward_log, timings=timings)
-        generated = [sample_micro_batch(sampler.take(prompts_per_micro, global_step), micro, **step_inputs)
-                     for micro in range(GA)]
-        # DAPO dynamic sampling: keep only groups whose rewards vary, and refill the step from new prompts
-        sampling = {}
-        if cfg.dynamic_sampling:
-            groups, extra_rounds = dynamic_sampling(
-                generated, lambda n, micro: sample_micro_batch(sampler.take(n, global_step), micro, **step_inputs),
-                GA * prompts_per_micro, prompts_per_micro, G, world, reward_weights, cfg.use_pcgrad,
-                cfg.max_resample_rounds)
-            t0 = time.perf_counter()
-            chosen = choose_groups(groups, GA * prompts_per_micro)
-            batches = [rebuild_micro_batch(chosen[m * prompts_per_micro:(m + 1) * prompts_per_micro], policy,
-                                           processor, dataset, cfg, accelerator) for m in range(GA)]
-            timings["generation"] += time.perf_counter() - t0
-            sampling = {"frac_zero_std_groups": 1.0 - sum(g["spread"] for g in groups) / len(groups),
-                        "resample_rounds": extra_rounds, "generated_groups": len(groups)}
-        else:
-            batches = generated
+        # ---- 1-2. sample and score the round: GA micro-batches of B completions per process ----
+        batches, sampling = sample_round(ro, sampler, step=global_step, round_index=round_index,
+                                         trainer_state=TrainerState(global_step=global_step, max_steps=max_steps),
+                                         reward_log=reward_log, timings=timings)
         if vllm is not None:
             vllm.sleep()  # the engine's memory goes back to training (a no-op without --vllm_enable_sleep_mode)
-
-        # ---- 2. advantages over whole groups (the gathered rewards), this process's slice ----
-        t0 = time.perf_counter()
-        for mb in batches:
-            if cfg.use_pcgrad:  # one advantage per reward function, each normalised within its groups
-                advantages = torch.stack([group_advantages(mb["rewards"][:, j], G, scale=cfg.scale_rewards)
-                                          for j in range(len(reward_fns))], dim=-1)
-            else:
-                advantages = group_advantages(mb["rewards"], G, weights=reward_weights, scale=cfg.scale_rewards)
-            mb["all_advantages"] = advantages
-            mb["advantages"] = advantages[local].to(accelerator.device)
-            mb["truncated"] = truncated_completions(mb["completion_ids"], mb["completion_mask"], stop_ids)
-            mb["loss_mask"] = (mb["completion_mask"] * ~mb["truncated"][:, None] if cfg.mask_truncated_completions
-                               else mb["completion_mask"])
-        timings["rewards"] += time.perf_counter() - t0
-
-        # ---- 3. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        # ---- 3. advantages over whole groups (the gathered rewards), this process's slice ----
+        with timed(timings, "rewards"):
             for mb in batches:
-                mb["old_logps"] = (policy(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"],
-                                          cfg.temperature, prompt_index=mb["prompt_index"]) if mu > 1 else None)
-                mb["ref_logps"] = (ref_policy(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"],
-                                              cfg.temperature, prompt_index=mb["prompt_index"]) if ref_policy else None)
-        timings["logprob"] += time.perf_counter() - t0
+                add_advantages(ro, mb)
+        # ---- 4. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
+        with timed(timings, "logprob"):
+            for mb in batches:
+                add_fixed_logprobs(mb, policy, ref_policy, cfg)
         # DAPO normalises by the completion tokens of the whole optimizer step, on all processes.
-        step_tokens = accelerator.reduce(torch.stack([b["loss_mask"].sum() for b in batches]).sum().float(), "sum")
+        step_tokens = accelerator.reduce(torch.stack([b.loss_mask.sum() for b in batches]).sum().float(), "sum")
 
-        # ---- 4. mu optimisation passes over this round's completions ----
+        # ---- 5. mu optimisation passes over this round's completions, one optimizer step each ----
         policy.train()
         for _ in range(mu):
-            step_loss, step_stats, grad_norm, vllm_stats = 0.0, [], None, []
-            clear_stale_zero3_gradients(accelerator, policy)  # one optimizer step per pass (utils/core/zero3.py)
-            for mb in batches:
-                t0 = time.perf_counter()
-                with accelerator.accumulate(policy):
-                    # PCGrad takes its own gradients, so its forward skips the DDP wrapper
-                    forward = accelerator.unwrap_model(policy) if pcgrad else policy
-                    # the entropy comes from the same fused head pass (no extra vocabulary pass)
-                    logps, entropy = forward(mb["prompt_batch"], mb["completion_ids"], mb["completion_mask"],
-                                             cfg.temperature, return_entropy=True, prompt_index=mb["prompt_index"])
-                    old = mb["old_logps"] if mb["old_logps"] is not None else logps.detach()
-                    # vLLM sampled with its own kernels: truncated importance weights pi_old / pi_vllm per token
-                    is_weights = None
-                    if mb["sampler_logps"] is not None:
-                        if cfg.vllm_importance_sampling_correction:
-                            is_weights = importance_weights(old, mb["sampler_logps"], mb["completion_mask"],
-                                                            mode=cfg.vllm_importance_sampling_mode,
-                                                            cap=cfg.vllm_importance_sampling_cap)
-                        vllm_stats.append(mismatch_stats(old, mb["sampler_logps"], mb["completion_mask"], is_weights))
-                    loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb["ref_logps"],
-                                   loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-                                   max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
-                                   num_processes=world, is_weights=is_weights, entropy=entropy,
-                                   entropy_coef=cfg.entropy_coef, entropy_threshold=cfg.entropy_threshold,
-                                   gradient_accumulation_steps=GA)
-                    if cfg.top_entropy_quantile < 1.0:  # quantile over the micro-batch of every process (TRL)
-                        loss_kw["entropy_mask"] = high_entropy_mask(entropy, mb["loss_mask"], cfg.top_entropy_quantile,
-                                                                    gather=gather_padded(accelerator))
-                    if pcgrad:
-                        loss, stats = pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, 1.0 / loss_divisor,
-                                                    **loss_kw)
-                        if accelerator.sync_gradients:
-                            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + global_step)
-                            pcgrad.write_gradients(reduce=(lambda t: accelerator.reduce(t, "mean")) if world > 1
-                                                   else None, generator=generator)
-                    else:
-                        loss, stats = clipped_policy_loss(logps, old, mb["advantages"], mb["loss_mask"],
-                                                          beta=cfg.beta, **loss_kw)
-                        # accelerate divides by GA: what reaches the gradients is the micro-batch's step share
-                        accelerator.backward(loss * (GA / loss_divisor))
-                    if accelerator.sync_gradients and cfg.max_grad_norm:
-                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                timings["backward"] += time.perf_counter() - t0
-                step_loss += loss.detach() / loss_divisor
-                step_stats.append(stats)
+            result = optimisation_pass(ro, batches, optimizer=optimizer, pcgrad=pcgrad, step_tokens=step_tokens,
+                                       loss_divisor=loss_divisor, step=global_step, timings=timings)
             scheduler.step()
             global_step += 1
-
-            # ---- 5. log ----
-            if global_step % cfg.logging_steps == 0 or global_step == max_steps:
-                metrics = step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator)
-                metrics.update(sampling, **reward_log.metric_means())
-                if vllm_stats:  # sums and maxima over the step's micro-batches, then over the processes
-                    combined = {k: (torch.stack([st[k] for st in vllm_stats]).max() if k.endswith("max")
-                                    else sum(st[k] for st in vllm_stats)) for k in vllm_stats[0]}
-                    metrics.update(mismatch_metrics(combined, accelerator.reduce))
-                metrics.update(learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
-                               **{f"time/{k}": v for k, v in timings.items()})
-                logger.log(global_step, metrics)
-                if cfg.log_completions:
-                    log_step_completions(logger, global_step, batches, reward_weights, cfg, accelerator)
-
-            # ---- 6. checkpoint (atomic) and push ----
-            if global_step % cfg.save_steps == 0 or global_step == max_steps:
+            # ---- 6. log, checkpoint (atomic) and push ----
+            if is_due(global_step, cfg.logging_steps, max_steps):
+                log_step(ro, logger, global_step, batches, result, sampling=sampling, reward_log=reward_log,
+                         learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
+                         timings=timings)
+            if is_due(global_step, cfg.save_steps, max_steps):
                 state = dict(global_step=global_step, round_index=round_index + 1, sampler=sampler.state_dict(),
-                             stage=sampler.names[sampler.stage(global_step - 1)],
-                             difficulty_levels=levels if cfg.curriculum else None, heldout_before=heldout_before)
-                path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
-                                       extra_state=state, save_total_limit=cfg.save_total_limit)
-                if uploader:
-                    uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=model_path,
-                                  script="train_grpo.py")
+                             stage=sampler.names[sampler.stage(global_step - 1)], difficulty_levels=levels,
+                             heldout_before=heldout_before)
+                save_and_push(accelerator, cfg, global_step, model=policy, processor=processor, state=state,
+                              logger=logger, uploader=uploader, base_model=model_path, script="train_grpo.py")
             if global_step >= max_steps:
                 break
         round_index += 1
@@ -578,36 +579,195 @@ def main(cfg: GRPOConfig):
     return policy
 
 
-def step_metrics(batches, step_stats, step_loss, grad_norm, reward_weights, cfg, accelerator):
+# ---- the phases of a round, in the loop's order ----
+
+
+def sample_round(ro, sampler, *, step, round_index, trainer_state, reward_log, timings):
+    """Phases 1-2: the round's GA micro-batches, sampled and scored. Under --dynamic_sampling (DAPO) only groups
+    whose rewards vary are kept, the step refilled with groups of new prompts first. Returns (the micro-batches,
+    the dynamic-sampling metrics)."""
+    cfg, L = ro.cfg, ro.layout
+
+    def draw(num_prompts, micro):  # the next prompts of the sampler's stream, as micro-batch `micro`
+        mb = sample_micro_batch(ro, sampler.take(num_prompts, step), micro, round_index=round_index, step=step,
+                                timings=timings)
+        score_micro_batch(ro, mb, trainer_state=trainer_state, reward_log=reward_log, timings=timings)
+        return mb
+
+    ro.policy.eval()
+    generated = [draw(L.prompts_per_micro, micro) for micro in range(L.GA)]
+    if not cfg.dynamic_sampling:
+        return generated, {}
+    groups, extra_rounds = dynamic_sampling(generated, draw, L.GA * L.prompts_per_micro, L.prompts_per_micro, L.G,
+                                            L.world, ro.reward_weights, cfg.use_pcgrad, cfg.max_resample_rounds)
+    with timed(timings, "generation"):
+        chosen = choose_groups(groups, L.GA * L.prompts_per_micro)
+        batches = [rebuild_micro_batch(ro, chosen[m * L.prompts_per_micro:(m + 1) * L.prompts_per_micro])
+                   for m in range(L.GA)]
+    return batches, {"frac_zero_std_groups": 1.0 - sum(g["spread"] for g in groups) / len(groups),
+                     "resample_rounds": extra_rounds, "generated_groups": len(groups)}
+
+
+def sample_micro_batch(ro, prompt_idx, micro, *, round_index, step, timings):
+    """Phase 1: micro-batch `micro` of round `round_index`: G completions of each prompt in `prompt_idx`, spread over
+    the processes; this process samples its share. A refill under --dynamic_sampling may hold fewer prompts than a
+    full micro-batch (still a whole number of completions per process)."""
+    L = ro.layout
+    global_rows = [i for i in prompt_idx for _ in range(L.G)]
+    b = len(global_rows) // L.world  # completions per process: B, or fewer in a refill
+    mine = global_rows[L.rank * b:(L.rank + 1) * b]
+    rows = [ro.dataset[i] for i in mine]
+    seeds = completion_seeds(ro.cfg.seed, round_index,
+                             range(micro * L.B * L.world + L.rank * b, micro * L.B * L.world + (L.rank + 1) * b))
+    with timed(timings, "generation"):
+        return rollout(ro, rows, keys=mine, sample_ids=[str(r.get("id", i)) for r, i in zip(rows, mine)],
+                       seeds=seeds, step=step, prompt_rows=list(prompt_idx))
+
+
+def score_micro_batch(ro, mb, *, trainer_state, reward_log, timings):
+    """Phase 2: this process's completions scored by the reward functions (called as TRL calls them), the rewards
+    of all processes gathered so that every process sees whole groups. The rewards' logged columns go to
+    `reward_log` (and the micro-batch's share of them to mb.extra)."""
+    with timed(timings, "rewards"):
+        columns = {c: [r[c] for r in mb.rows] for c in ro.dataset.column_names}
+        before = {column: len(values) for column, values in reward_log.extra.items()}
+        local_rewards = call_rewards(ro.reward_fns, ro.cfg.reward_funcs, prompts=mb.messages,
+                                     completions=as_conversation(mb.texts), completion_ids=mb.token_ids,
+                                     columns=columns, trainer_state=trainer_state, log=reward_log)
+        mb.extra = {k: v[before.get(k, 0):] for k, v in reward_log.extra.items()}
+        mb.rewards = ro.accelerator.gather(local_rewards.to(ro.accelerator.device)).cpu()
+        if ro.cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
+            mb.all_token_ids = [t for part in gather_object([mb.token_ids]) for t in part]
+            if mb.sampler_logps is not None:
+                mine = [lp[m.bool()].tolist() for lp, m in zip(mb.sampler_logps, mb.completion_mask)]
+                mb.all_sampler_logps = [lp for part in gather_object([mine]) for lp in part]
+
+
+def add_advantages(ro, mb):
+    """Phase 3: the group-normalised advantages of the gathered rewards (one per reward function under PCGrad) and
+    this process's rows of them; which completions were cut at the length limit, and the loss mask."""
+    cfg, L = ro.cfg, ro.layout
+    if cfg.use_pcgrad:  # one advantage per reward function, each normalised within its groups
+        mb.all_advantages = torch.stack([group_advantages(mb.rewards[:, j], L.G, scale=cfg.scale_rewards)
+                                         for j in range(len(ro.reward_fns))], dim=-1)
+    else:
+        mb.all_advantages = group_advantages(mb.rewards, L.G, weights=ro.reward_weights, scale=cfg.scale_rewards)
+    mb.advantages = mb.all_advantages[L.local].to(ro.accelerator.device)
+    mb.truncated = truncated_completions(mb.completion_ids, mb.completion_mask, ro.stop_ids)
+    mb.loss_mask = (mb.completion_mask * ~mb.truncated[:, None] if cfg.mask_truncated_completions
+                    else mb.completion_mask)
+
+
+@torch.no_grad()
+def add_fixed_logprobs(mb, policy, ref_policy, cfg):
+    """Phase 4: the log-probs that stay fixed while the round trains: the behaviour policy's (only when
+    --num_iterations > 1; on the first pass they equal the policy's own, detached) and the reference's (--beta)."""
+    args = (mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature)
+    mb.old_logps = policy(*args, prompt_index=mb.prompt_index) if cfg.num_iterations > 1 else None
+    mb.ref_logps = ref_policy(*args, prompt_index=mb.prompt_index) if ref_policy else None
+
+
+def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divisor, step, timings):
+    """Phase 5: one optimizer step over the round's micro-batches (gradients accumulated over them): the clipped
+    surrogate (utils.core.losses.clipped_policy_loss; one per reward function under PCGrad), backward, clipping at
+    --max_grad_norm, the AdamW step. Returns the step's loss and statistics for the log."""
+    cfg, accelerator, policy, GA = ro.cfg, ro.accelerator, ro.policy, ro.layout.GA
+    step_loss, step_stats, grad_norm, vllm_stats = 0.0, [], None, []
+    clear_stale_zero3_gradients(accelerator, policy)  # one optimizer step per pass (utils/core/zero3.py)
+    for mb in batches:
+        t0 = time.perf_counter()
+        with accelerator.accumulate(policy):
+            # PCGrad takes its own gradients, so its forward skips the DDP wrapper
+            forward = accelerator.unwrap_model(policy) if pcgrad else policy
+            # the entropy comes from the same fused head pass (no extra vocabulary pass)
+            logps, entropy = forward(mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature,
+                                     return_entropy=True, prompt_index=mb.prompt_index)
+            old = mb.old_logps if mb.old_logps is not None else logps.detach()
+            # vLLM sampled with its own kernels: truncated importance weights pi_old / pi_vllm per token
+            is_weights = None
+            if mb.sampler_logps is not None:
+                if cfg.vllm_importance_sampling_correction:
+                    is_weights = importance_weights(old, mb.sampler_logps, mb.completion_mask,
+                                                    mode=cfg.vllm_importance_sampling_mode,
+                                                    cap=cfg.vllm_importance_sampling_cap)
+                vllm_stats.append(mismatch_stats(old, mb.sampler_logps, mb.completion_mask, is_weights))
+            loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb.ref_logps,
+                           loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
+                           max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
+                           num_processes=ro.layout.world, is_weights=is_weights, entropy=entropy,
+                           entropy_coef=cfg.entropy_coef, entropy_threshold=cfg.entropy_threshold,
+                           gradient_accumulation_steps=GA)
+            if cfg.top_entropy_quantile < 1.0:  # quantile over the micro-batch of every process (TRL)
+                loss_kw["entropy_mask"] = high_entropy_mask(entropy, mb.loss_mask, cfg.top_entropy_quantile,
+                                                            gather=gather_padded(accelerator))
+            if pcgrad:
+                loss, stats = pcgrad_losses(pcgrad, logps, old, mb, ro.reward_weights, cfg, 1.0 / loss_divisor,
+                                            **loss_kw)
+                if accelerator.sync_gradients:
+                    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                    pcgrad.write_gradients(reduce=(lambda t: accelerator.reduce(t, "mean")) if ro.layout.world > 1
+                                           else None, generator=generator)
+            else:
+                loss, stats = clipped_policy_loss(logps, old, mb.advantages, mb.loss_mask, beta=cfg.beta, **loss_kw)
+                # accelerate divides by GA: what reaches the gradients is the micro-batch's step share
+                accelerator.backward(loss * (GA / loss_divisor))
+            if accelerator.sync_gradients and cfg.max_grad_norm:
+                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+        timings["backward"] += time.perf_counter() - t0
+        step_loss += loss.detach() / loss_divisor
+        step_stats.append(stats)
+    return PassResult(loss=step_loss, stats=step_stats, grad_norm=grad_norm, vllm_stats=vllm_stats)
+
+
+def log_step(ro, logger, step, batches, result, *, sampling, reward_log, learning_rate, step_time, timings):
+    """Phase 6: the step's metrics row (docs/grpo.md lists them) and, with --log_completions, its completions."""
+    metrics = step_metrics(ro, batches, result)
+    metrics.update(sampling, **reward_log.metric_means())
+    if result.vllm_stats:  # sums and maxima over the step's micro-batches, then over the processes
+        combined = {k: (torch.stack([st[k] for st in result.vllm_stats]).max() if k.endswith("max")
+                        else sum(st[k] for st in result.vllm_stats)) for k in result.vllm_stats[0]}
+        metrics.update(mismatch_metrics(combined, ro.accelerator.reduce))
+    metrics.update(learning_rate=learning_rate, step_time=step_time, **{f"time/{k}": v for k, v in timings.items()})
+    logger.log(step, metrics)
+    if ro.cfg.log_completions:
+        log_step_completions(ro, logger, step, batches)
+
+
+# ---- what the phases call ----
+
+
+def step_metrics(ro, batches, result):
     """What one optimizer step logs: rewards as TRL logs them (weighted, unscorable completions left out; per
     function), loss, KL, clipping, the largest importance-ratio deviation, the gradient norm before clipping and
     the completion length."""
-    rewards = torch.cat([mb["rewards"] for mb in batches])
-    weighted = weighted_rewards(rewards, reward_weights)
+    accelerator, step_stats = ro.accelerator, result.stats
+    rewards = torch.cat([mb.rewards for mb in batches])
+    weighted = weighted_rewards(rewards, ro.reward_weights)
     scored = weighted[~weighted.isnan()]
-    G = cfg.num_generations
 
     def mean_over_steps(key):
         return accelerator.reduce(sum(s[key] for s in step_stats) / len(step_stats), "mean").item()
 
-    lengths = torch.cat([accelerator.gather(mb["completion_mask"].sum(-1)).float().cpu() for mb in batches])
-    cut = torch.cat([accelerator.gather(mb["truncated"]).float().cpu() for mb in batches])
+    lengths = torch.cat([accelerator.gather(mb.completion_mask.sum(-1)).float().cpu() for mb in batches])
+    cut = torch.cat([accelerator.gather(mb.truncated).float().cpu() for mb in batches])
     metrics = {
-        "loss": accelerator.reduce(step_loss, "mean").item(),
+        "loss": accelerator.reduce(result.loss, "mean").item(),
         "reward": scored.mean().item() if len(scored) else float("nan"),
         "reward_std": scored.std().item() if len(scored) > 1 else float("nan"),
-        "frac_reward_zero_std": 1.0 - has_spread(rewards, reward_weights, G).float().mean().item(),
+        "frac_reward_zero_std": 1.0 - has_spread(rewards, ro.reward_weights, ro.layout.G).float().mean().item(),
         "frac_unscorable": weighted.isnan().float().mean().item(),
         "kl": mean_over_steps("kl"),
         "entropy": mean_over_steps("entropy"),
         "entropy_high_frac": mean_over_steps("entropy_high_frac"),
         "clip_ratio": mean_over_steps("clip_ratio"),
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "grad_norm": float(result.grad_norm) if result.grad_norm is not None else float("nan"),
         "ratio_max_dev": accelerator.reduce(torch.stack([s["ratio_max_dev"] for s in step_stats]).max(), "max").item(),
         "completion_length": lengths.mean().item(),
         "completions/clipped_ratio": cut.mean().item(),
     }
-    for j, name in enumerate(cfg.reward_funcs):
+    for j, name in enumerate(ro.cfg.reward_funcs):
         values = rewards[:, j][~rewards[:, j].isnan()]
         metrics[f"rewards/{name}"] = values.mean().item() if len(values) else float("nan")
     return metrics
@@ -620,22 +780,22 @@ def gather_padded(accelerator):
     return lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=-1))
 
 
-def log_step_completions(logger, step, batches, reward_weights, cfg, accelerator):
+def log_step_completions(ro, logger, step, batches):
     """Every completion of the step (all processes) to completions.jsonl, as TRL's completions table; a few to
     the console (--num_completions_to_print)."""
-    rows = []
+    cfg, accelerator, rows = ro.cfg, ro.accelerator, []
     for mb in batches:
-        n = len(mb["ids"])
+        n = len(mb.ids)
         mine = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
-        rewards = mb["rewards"][mine]
-        weighted = weighted_rewards(rewards, reward_weights).tolist()
-        for k, (sid, messages, text) in enumerate(zip(mb["ids"], mb["messages"], mb["texts"])):
+        rewards = mb.rewards[mine]
+        weighted = weighted_rewards(rewards, ro.reward_weights).tolist()
+        for k, (sid, messages, text) in enumerate(zip(mb.ids, mb.messages, mb.texts)):
             row = dict(id=sid, prompt=messages[-1]["content"][-1]["text"], completion=text,
                        reward=None if math.isnan(weighted[k]) else weighted[k],
-                       advantage=mb["all_advantages"][mine][k].tolist(),
+                       advantage=mb.all_advantages[mine][k].tolist(),
                        rewards={name: None if math.isnan(v) else v
                                 for name, v in zip(cfg.reward_funcs, rewards[k].tolist())})
-            row.update({column: values[k] for column, values in mb["extra"].items() if k < len(values)})
+            row.update({column: values[k] for column, values in mb.extra.items() if k < len(values)})
             rows.append(row)
     if accelerator.num_processes > 1:
         rows = gather_object(rows)
@@ -644,106 +804,71 @@ def log_step_completions(logger, step, batches, reward_weights, cfg, accelerator
         accelerator.print(f"[step {step}] {row['id']} reward {row['reward']}: {row['completion'][:200]!r}")
 
 
-def encode_rows(policy, processor, rows, cfg, accelerator, *, keys, sample_ids):
+def encode_rows(ro, rows, *, keys, sample_ids):
     """Chat messages and the encoded prompt batch of `rows` (rows with equal `keys` are the same prompt).
 
     When the model allows it, each distinct prompt is encoded once and its completions share its forward pass
     in training: `prompt_batch` then has one row per prompt and `prompt_index` maps completions to prompts
     (None otherwise)."""
+    cfg, accelerator = ro.cfg, ro.accelerator
     messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
                                template=cfg.prompt_template, system_prompt=cfg.system_prompt,
                                num_videos=len(videos_of(r))) for r in rows]
     unique = sorted(set(keys), key=keys.index)
     first = [keys.index(k) for k in unique]
-    clips = row_clips(processor, rows, cfg)
-    if can_share_prompts(accelerator.unwrap_model(policy).model, [len(images_of(rows[j])) for j in first],
+    clips = row_clips(ro.processor, rows, cfg)
+    if can_share_prompts(accelerator.unwrap_model(ro.policy).model, [len(images_of(rows[j])) for j in first],
                          [len(clips[j]) for j in first]):
         prompt_index = torch.tensor([unique.index(k) for k in keys], device=accelerator.device)
     else:
         prompt_index, first = None, list(range(len(rows)))
-    prompt_batch = encode_prompts(processor, [messages[j] for j in first], [images_of(rows[j]) for j in first],
+    prompt_batch = encode_prompts(ro.processor, [messages[j] for j in first], [images_of(rows[j]) for j in first],
                                   sample_ids=[sample_ids[j] for j in first], max_prompt_length=cfg.max_prompt_length,
                                   videos=[clips[j] for j in first]).to(accelerator.device)
     return messages, prompt_batch, prompt_index
 
 
-def rollout(policy, processor, rows, cfg, accelerator, *, keys, sample_ids, seeds, stop_ids, suppress_ids,
-            vllm=None, step=0, compiled=None):
-    """Sample one completion per row (rows with equal `keys` are the same prompt); see `encode_rows`. Where the
+def rollout(ro, rows, *, keys, sample_ids, seeds, step=0, prompt_rows=()):
+    """Sample one completion per row (rows with equal `keys` are the same prompt; see `encode_rows`). Where the
     prompts are shared, each is prefilled once in generation too, and its completions continue from its cache.
-    `sampler_logps` [B, L] is vLLM's log-prob of each sampled token (None on the HF path)."""
+    With vLLM (ro.vllm) its log-prob of each sampled token comes back too (`sampler_logps`)."""
+    cfg, accelerator, processor = ro.cfg, ro.accelerator, ro.processor
     tokenizer = getattr(processor, "tokenizer", processor)
-    messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator, keys=keys,
-                                                       sample_ids=sample_ids)
+    messages, prompt_batch, prompt_index = encode_rows(ro, rows, keys=keys, sample_ids=sample_ids)
     sampler_logps = None
-    if vllm is not None:  # the same prompt ids (shared rows too); vLLM's log-probs of the sampled tokens come back
-        completion_ids, completion_mask, sampler_logps = vllm.generate(
-            policy, processor, messages, [images_of(r) for r in rows], seeds, step=step, stop_ids=stop_ids,
-            suppress_ids=suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True,
+    if ro.vllm is not None:  # the same prompt ids (shared rows too); vLLM's log-probs of the sampled tokens come back
+        completion_ids, completion_mask, sampler_logps = ro.vllm.generate(
+            ro.policy, processor, messages, [images_of(r) for r in rows], seeds, step=step, stop_ids=ro.stop_ids,
+            suppress_ids=ro.suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True,
             videos=row_clips(processor, rows, cfg))
     else:
-        generate = compiled.generate if compiled is not None else generate_completions  # --cache_implementation
-        with unwrap_for_generation(policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
+        generate = ro.compiled.generate if ro.compiled is not None else generate_completions  # --cache_implementation
+        with unwrap_for_generation(ro.policy, accelerator) as unwrapped:  # a group's prompt is prefilled once
             completion_ids, completion_mask = generate(
                 unwrapped.model, prompt_batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
-                temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=stop_ids,
-                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids, prompt_index=prompt_index)
+                temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=ro.stop_ids,
+                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=ro.suppress_ids, prompt_index=prompt_index)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
-    return dict(prompt_batch=prompt_batch, prompt_index=prompt_index, completion_ids=completion_ids,
-                completion_mask=completion_mask, texts=texts, messages=messages, sampler_logps=sampler_logps)
+    token_ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
+    return MicroBatch(prompt_rows=list(prompt_rows), rows=rows, indices=list(keys), ids=list(sample_ids),
+                      messages=messages, prompt_batch=prompt_batch, prompt_index=prompt_index,
+                      completion_ids=completion_ids, completion_mask=completion_mask, texts=texts, token_ids=token_ids,
+                      sampler_logps=sampler_logps)
 
 
-def sample_micro_batch(prompt_idx, micro, *, round_index, step, trainer_state, policy, processor, dataset,
-                       reward_fns, cfg, accelerator, stop_ids, suppress_ids, vllm, reward_log, timings, compiled=None):
-    """Rollout of micro-batch `micro` of round `round_index` (G completions per prompt, spread over the processes)
-    and its rewards, gathered so that every process sees whole groups. A refill under --dynamic_sampling may hold
-    fewer prompts than a full micro-batch (still a whole number of completions per process). The rewards' logged
-    columns go to `reward_log`, the seconds spent to the step's `timings`."""
-    G, B = cfg.num_generations, cfg.per_device_train_batch_size
-    rank, world = accelerator.process_index, accelerator.num_processes
-    global_rows = [i for i in prompt_idx for _ in range(G)]
-    b = len(global_rows) // world  # completions per process: B, or fewer in a refill
-    mine = slice(rank * b, (rank + 1) * b)
-    rows = [dataset[i] for i in global_rows[mine]]
-    ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[mine])]
-    seeds = completion_seeds(cfg.seed, round_index,
-                             range(micro * B * world + rank * b, micro * B * world + (rank + 1) * b))
-    t0 = time.perf_counter()
-    out = rollout(policy, processor, rows, cfg, accelerator, keys=global_rows[mine], sample_ids=ids, seeds=seeds,
-                  stop_ids=stop_ids, suppress_ids=suppress_ids, vllm=vllm, step=step, compiled=compiled)
-    timings["generation"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
-    columns = {c: [r[c] for r in rows] for c in dataset.column_names}
-    before = {column: len(values) for column, values in reward_log.extra.items()}
-    local_rewards = call_rewards(reward_fns, cfg.reward_funcs, prompts=out["messages"],
-                                 completions=as_conversation(out["texts"]), completion_ids=token_ids,
-                                 columns=columns, trainer_state=trainer_state, log=reward_log)
-    mb = dict(out, rows=rows, ids=ids, keys=global_rows[mine], prompt_rows=list(prompt_idx), token_ids=token_ids,
-              extra={k: v[before.get(k, 0):] for k, v in reward_log.extra.items()},
-              rewards=accelerator.gather(local_rewards.to(accelerator.device)).cpu())
-    if cfg.dynamic_sampling:  # groups may be regrouped across processes: every process needs every completion
-        mb["all_token_ids"] = [t for part in gather_object([token_ids]) for t in part]
-        if out["sampler_logps"] is not None:
-            mine_logps = [lp[m.bool()].tolist() for lp, m in zip(out["sampler_logps"], out["completion_mask"])]
-            mb["all_sampler_logps"] = [lp for part in gather_object([mine_logps]) for lp in part]
-    timings["rewards"] += time.perf_counter() - t0
-    return mb
-
-
-def rebuild_micro_batch(groups, policy, processor, dataset, cfg, accelerator):
-    """A micro-batch of kept groups (from any micro-batch, any process): this process re-encodes its prompts
-    and takes its completions' token ids from the gathered ones."""
-    G, B, rank = cfg.num_generations, cfg.per_device_train_batch_size, accelerator.process_index
-    local = slice(rank * B, (rank + 1) * B)  # this process's completions of a micro-batch
-    tokenizer = getattr(processor, "tokenizer", processor)
-    global_rows = [g["prompt"] for g in groups for _ in range(G)]
-    token_ids = [t for g in groups for t in g["token_ids"]][local]
-    rows = [dataset[i] for i in global_rows[local]]
-    ids = [str(r.get("id", i)) for r, i in zip(rows, global_rows[local])]
-    messages, prompt_batch, prompt_index = encode_rows(policy, processor, rows, cfg, accelerator,
-                                                       keys=global_rows[local], sample_ids=ids)
+def rebuild_micro_batch(ro, groups):
+    """A micro-batch of kept groups (from any micro-batch, any process; `utils.core.groups.split_groups`): this
+    process re-encodes its prompts and takes its completions' token ids, rewards (and vLLM's log-probs) from the
+    gathered ones."""
+    L, accelerator = ro.layout, ro.accelerator
+    tokenizer = getattr(ro.processor, "tokenizer", ro.processor)
+    global_rows = [g["prompt"] for g in groups for _ in range(L.G)]
+    token_ids = [t for g in groups for t in g["token_ids"]][L.local]
+    keys = global_rows[L.local]
+    rows = [ro.dataset[i] for i in keys]
+    ids = [str(r.get("id", i)) for r, i in zip(rows, keys)]
+    messages, prompt_batch, prompt_index = encode_rows(ro, rows, keys=keys, sample_ids=ids)
     width = max(len(t) for t in token_ids)
     completion_ids = torch.full((len(token_ids), width), tokenizer.pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros_like(completion_ids)
@@ -755,14 +880,14 @@ def rebuild_micro_batch(groups, policy, processor, dataset, cfg, accelerator):
     sampler_logps = None
     if groups[0]["sampler_logps"] is not None:  # vLLM's log-probs travel with their completions
         sampler_logps = torch.zeros(completion_ids.shape)
-        for k, lp in enumerate([lp for g in groups for lp in g["sampler_logps"]][local]):
+        for k, lp in enumerate([lp for g in groups for lp in g["sampler_logps"]][L.local]):
             sampler_logps[k, :len(lp)] = torch.tensor(lp)
         sampler_logps = sampler_logps.to(accelerator.device)
-    return dict(prompt_batch=prompt_batch, prompt_index=prompt_index,
-                completion_ids=completion_ids.to(accelerator.device),
-                completion_mask=completion_mask.to(accelerator.device), texts=texts, messages=messages, rows=rows,
-                ids=ids, keys=global_rows[local], token_ids=token_ids, extra={},
-                rewards=torch.cat([g["rewards"] for g in groups]), sampler_logps=sampler_logps)
+    return MicroBatch(prompt_rows=[g["prompt"] for g in groups], rows=rows, indices=keys, ids=ids, messages=messages,
+                      prompt_batch=prompt_batch, prompt_index=prompt_index,
+                      completion_ids=completion_ids.to(accelerator.device),
+                      completion_mask=completion_mask.to(accelerator.device), texts=texts, token_ids=token_ids,
+                      sampler_logps=sampler_logps, rewards=torch.cat([g["rewards"] for g in groups]))
 
 
 def pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw):
@@ -770,24 +895,25 @@ def pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw)
     accumulator with the KL term as an unprojected extra. Returns (total loss, stats) like `clipped_policy_loss`;
     the stats are those of the weighted advantage sum."""
     weights = reward_weights.tolist()
-    losses = [w * clipped_policy_loss(logps, old, mb["advantages"][:, j], mb["loss_mask"], beta=0.0, **loss_kw)[0]
+    losses = [w * clipped_policy_loss(logps, old, mb.advantages[:, j], mb.loss_mask, beta=0.0, **loss_kw)[0]
               for j, w in enumerate(weights)]
-    kl_loss = clipped_policy_loss(logps, logps.detach(), torch.zeros_like(mb["advantages"][:, 0]), mb["loss_mask"],
+    kl_loss = clipped_policy_loss(logps, logps.detach(), torch.zeros_like(mb.advantages[:, 0]), mb.loss_mask,
                                   beta=cfg.beta, **loss_kw)[0]
     pcgrad.add([loss * scale for loss in losses], extra_loss=kl_loss * scale if cfg.beta else None)
     with torch.no_grad():
-        _, stats = clipped_policy_loss(logps.detach(), old, mb["advantages"] @ reward_weights.to(logps.device),
-                                       mb["loss_mask"], beta=cfg.beta, **loss_kw)
+        _, stats = clipped_policy_loss(logps.detach(), old, mb.advantages @ reward_weights.to(logps.device),
+                                       mb.loss_mask, beta=cfg.beta, **loss_kw)
     return sum(losses) + kl_loss, stats
 
 
-def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, stop_ids, suppress_ids):
+def difficulty_levels(ro):
     """easy/medium/hard per training question: the data set's column, or estimated with the current model.
 
-    The estimate is the error rate over --difficulty_samples sampled answers (the training rollout), scored by
-    --difficulty_reward (a reward >= 1 counts as correct), optionally averaged with --rating_column; questions
-    are shared out over the processes and the scores gathered, so every process builds the same stages.
+    The estimate is the error rate over --difficulty_samples sampled answers (the training rollout, on the HF path),
+    scored by --difficulty_reward (a reward >= 1 counts as correct), optionally averaged with --rating_column;
+    questions are shared out over the processes and the scores gathered, so every process builds the same stages.
     """
+    cfg, dataset, accelerator = ro.cfg, ro.dataset, ro.accelerator
     if cfg.difficulty_samples == 0:
         if cfg.difficulty_column not in dataset.column_names:
             raise ConfigError(f"--curriculum needs a '{cfg.difficulty_column}' column (--difficulty_column) or "
@@ -799,22 +925,22 @@ def difficulty_levels(cfg, dataset, policy, processor, accelerator, reward_fns, 
                               "is not easy/medium/hard")
         return list(levels)
     name = cfg.difficulty_reward
-    judge = reward_fns[cfg.reward_funcs.index(name)]
+    judge = ro.reward_fns[cfg.reward_funcs.index(name)]
     rank, world, k = accelerator.process_index, accelerator.num_processes, cfg.difficulty_samples
+    hf = replace(ro, vllm=None, compiled=None)  # the eager HF rollout
     mine = list(range(rank, len(dataset), world))
     errors = {}
-    policy.eval()
+    ro.policy.eval()
     chunk = max(1, cfg.per_device_train_batch_size // k)
     for start in range(0, len(mine), chunk):
         idx = mine[start:start + chunk]
         keys = [i for i in idx for _ in range(k)]
         rows = [dataset[i] for i in keys]
-        out = rollout(policy, processor, rows, cfg, accelerator, keys=keys, sample_ids=[r["id"] for r in rows],
-                      seeds=completion_seeds(cfg.seed, -1, [i * k + j for i in idx for j in range(k)]),
-                      stop_ids=stop_ids, suppress_ids=suppress_ids)
-        token_ids = [c[m.bool()].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
-        scores = call_rewards([judge], [name], prompts=out["messages"], completions=as_conversation(out["texts"]),
-                              completion_ids=token_ids, columns={c: [r[c] for r in rows] for c in dataset.column_names},
+        out = rollout(hf, rows, keys=keys, sample_ids=[r["id"] for r in rows],
+                      seeds=completion_seeds(cfg.seed, -1, [i * k + j for i in idx for j in range(k)]))
+        scores = call_rewards([judge], [name], prompts=out.messages, completions=as_conversation(out.texts),
+                              completion_ids=out.token_ids,
+                              columns={c: [r[c] for r in rows] for c in dataset.column_names},
                               trainer_state=TrainerState(global_step=0))[:, 0]
         for n, i in enumerate(idx):
             errors[i] = 1.0 - float((scores[n * k:(n + 1) * k] >= 1.0).sum()) / k

@@ -19,28 +19,30 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from accelerate.utils import gather_object
 
 from kernels import group_advantages
 from tiny.cache import resolve_tiny_t2i
-from utils.core.checkpoint import save_checkpoint
-from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from utils.core.config import ConfigError, choice, parse_config
 from utils.core.encoding import encode_prompts
 from utils.core.errors import InputError, exit_on_bad_input
 from utils.core.launch import relaunch_multi_cpu_if_needed
 from utils.core.logprobs import prepare_reference_model
 from utils.core.losses import clipped_policy_loss
 from utils.core.models import has_adapters
+from utils.core.records import Record
 from utils.core.reward_calls import build_image_reward, score_images
 from utils.core.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids
 from utils.core.run import (
     finish_run,
+    is_due,
     make_accelerator,
     prepare_training,
     resume_run,
+    save_and_push,
     seed_run,
     start_logging,
     train_summary,
@@ -285,6 +287,62 @@ def torch_generators(seeds, device):
 # ---- rollouts for this process: text, then images ----
 
 
+@dataclass
+class TextRollout(Record):
+    """Texts sampled for this process's rollouts (`text_rollout`). [n, L]: n rollouts, L completion tokens."""
+
+    batch: Any  # the encoded prompts
+    ids: torch.Tensor  # [n, L] the sampled tokens, right-padded
+    mask: torch.Tensor  # [n, L] 1 on sampled tokens
+    texts: list  # the decoded texts
+    old_logps: torch.Tensor  # [n, L] behaviour log-probs, at the sampling temperature
+    global_ids: list  # each rollout's index in the step: prompt slot * group_size + its place in the group
+
+
+@dataclass
+class Rollout(TextRollout):
+    """One step's rollouts on this process (`reason_rollout`, `reflect_rollout`): the texts, the images drawn from
+    them and their rewards. The advantages, the reference's log-probs and the loss read it."""
+
+    stage: str  # reason or reflect
+    rows: list  # the prompt row of each rollout
+    images: list  # each rollout's image (PIL); reflect: the refined image, or the buffered one where nothing edits
+    cond: Any  # the drawn rollouts' image conditions (utils.t2i.generators), in `drawn` order
+    drawn: list  # the rollouts whose image the generator drew
+    steps: Optional[SDEStep]  # the recorded SDE steps, window position first, then image; None: ODE only
+    step_image: Optional[torch.Tensor]  # the rollout of each recorded step
+    sde_index: torch.Tensor  # [n] each rollout's first SDE step index
+    scores: torch.Tensor  # [n] the reward function's score of each image; NaN: unscored
+    formats: torch.Tensor  # [n] 1 where the text has R3's format
+    text_rewards: torch.Tensor  # [n] the text part's reward (utils.t2i.r3_format)
+    image_rewards: torch.Tensor  # [n] the image part's reward
+    image_mask: torch.Tensor  # [n] 1 where the image part trains (reflect: 0 where nothing was edited)
+    no_edit: Optional[torch.Tensor] = None  # reflect: [n] 1 where the reflection asked for no edit
+    score_prev: Optional[torch.Tensor] = None  # reflect: [n] the buffered image's score
+
+
+@dataclass
+class Advantages:
+    """The step's rewards of every process, placed by rollout index, and this process's advantages."""
+
+    text_rewards: torch.Tensor  # [every process's rollouts]
+    image_rewards: torch.Tensor  # [every process's rollouts]
+    text_all: torch.Tensor  # [every process's rollouts] the text advantages
+    text: torch.Tensor  # [n] this process's text advantages, on the device
+    image: torch.Tensor  # [n] this process's image advantages (0 where the image part does not train)
+
+
+def rollouts_per_process(cfg):
+    """A prompt's rollouts on each process of its policy group: --group_size spread over --policy_group_size."""
+    return cfg.group_size // cfg.policy_group_size
+
+
+def rollout_ids(cfg, prompt_ids, rank_in_group):
+    """This process's rollouts' indices in the step (prompt slot * group_size + its place in the group)."""
+    per = rollouts_per_process(cfg)
+    return [q * cfg.group_size + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+
+
 def text_rollout(cfg, step, global_ids, messages, images, max_new_tokens, *, policy, processor, accelerator,
                  stop_ids, suppress_ids, sample_ids):
     """Sample one completion per message (counter-based seeds per rollout) and its behaviour log-probs at the
@@ -299,7 +357,7 @@ def text_rollout(cfg, step, global_ids, messages, images, max_new_tokens, *, pol
     texts = tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     with torch.no_grad():
         old_logps = policy(batch, ids, mask, cfg.temperature)
-    return dict(batch=batch, ids=ids, mask=mask, texts=texts, old_logps=old_logps, global_ids=global_ids)
+    return TextRollout(batch=batch, ids=ids, mask=mask, texts=texts, old_logps=old_logps, global_ids=global_ids)
 
 
 def sde_window(cfg, step):
@@ -325,7 +383,7 @@ def image_rollout(cfg, step, prompt_ids, cond, global_ids, *, gen, device, num_s
     other step is ODE. The rollouts listed in `draw` (default: all) are drawn in one batch, each as it would be
     alone; `cond` holds their conditions, in `draw` order. Returns (PIL images of the drawn rollouts, steps, first
     SDE step index per rollout, the rollout of each step): steps are ordered window position first, then image."""
-    per = cfg.group_size // cfg.policy_group_size
+    per = rollouts_per_process(cfg)
     draw = list(range(len(prompt_ids) * per)) if draw is None else list(draw)
     noise, sde_steps = [], []
     for q in prompt_ids:
@@ -350,34 +408,33 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
                    suppress_ids, reward_fn):
     """Reason stage for this process's share of each of its prompts: reasoning, then an image conditioned on the
     prompt + reasoning. prompt_ids: global prompt slots; rollout j of this process is prompt * G + offset + j."""
-    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
-    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+    per, global_ids = rollouts_per_process(cfg), rollout_ids(cfg, prompt_ids, rank_in_group)
     local_rows = [rows[k] for k in range(len(prompt_ids)) for _ in range(per)]
-    roll = text_rollout(cfg, step, global_ids, [user_message(REASON_PROMPT.format(prompt=r["prompt"]))
+    text = text_rollout(cfg, step, global_ids, [user_message(REASON_PROMPT.format(prompt=r["prompt"]))
                                                 for r in local_rows],
                         [[] for _ in local_rows], cfg.max_output_token_n_gen, policy=policy, processor=processor,
                         accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
                         sample_ids=[repr(r["prompt"]) for r in local_rows])
-    parsed = [reasoning_of(t) for t in roll["texts"]]
+    parsed = [reasoning_of(t) for t in text["texts"]]
     cond = image_condition(cfg, gen, local_rows, [reasoning for _, reasoning in parsed])
     images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
         sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
         guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
         window=sde_window(cfg, step) if cfg.sde_window_size else None)
-    scores = score_images(cfg, reward_fn, roll["texts"], images, local_rows)
+    scores = score_images(cfg, reward_fn, text["texts"], images, local_rows)
     formats = torch.tensor([f for f, _ in parsed])
     text_r, image_r = reason_rewards(scores, formats, cfg.format_weight)
-    return dict(roll, stage="reason", images=images, cond=cond.detach(), drawn=list(range(len(images))), steps=steps,
-                scores=scores, formats=formats, sde_index=sde_index, step_image=step_image, rows=local_rows,
-                text_rewards=text_r, image_rewards=image_r, image_mask=torch.ones(len(images)))
+    return Rollout(**text, stage="reason", images=images, cond=cond.detach(), drawn=list(range(len(images))),
+                   steps=steps, scores=scores, formats=formats, sde_index=sde_index, step_image=step_image,
+                   rows=local_rows, text_rewards=text_r, image_rewards=image_r, image_mask=torch.ones(len(images)))
 
 
 def build_buffer(accelerator, roll):
     """The reason step's (metadata, score, image) entries of all processes, in rollout order, split into the
     perfect (score 1) and imperfect pools (unscored images too: a refine of one is scored, its improvement is not).
     Every process holds the same buffer."""
-    entries = [dict(id=int(i), row=r, score=float(s), image=im)
+    entries = [dict(id=int(i), row=r, score=float(s), image=im)  # `roll`: a Rollout, or any mapping of these fields
                for i, r, s, im in zip(roll["global_ids"], roll["rows"], roll["scores"], roll["images"])]
     gathered = sorted((e for part in gather_object([entries]) for e in part), key=lambda e: e["id"])
     return dict(perfect=[e for e in gathered if e["score"] >= 1.0],
@@ -398,17 +455,16 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
     """Reflect + refine for this process's share: the VLM sees a buffered image and writes a reflection and an edit
     instruction (or "no further edit needed"); the generator refines the image through its image-conditioned path.
     With no edit the output is the input image, its score is kept and its image advantage is 0."""
-    G, per = cfg.group_size, cfg.group_size // cfg.policy_group_size
-    global_ids = [q * G + rank_in_group * per + j for q in prompt_ids for j in range(per)]
+    per, global_ids = rollouts_per_process(cfg), rollout_ids(cfg, prompt_ids, rank_in_group)
     entries = [draw_entry(buffer, cfg, step, q) for q in prompt_ids]
     local = [entries[k] for k in range(len(prompt_ids)) for _ in range(per)]
     rows = [e["row"] for e in local]
-    roll = text_rollout(cfg, step, global_ids, [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True)
+    text = text_rollout(cfg, step, global_ids, [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True)
                                                 for r in rows],
                         [[e["image"]] for e in local], cfg.max_output_token_n_edit, policy=policy, processor=processor,
                         accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids,
                         sample_ids=[f"buffer entry {e['id']}" for e in local])
-    parsed = [reflection_of(t) for t in roll["texts"]]
+    parsed = [reflection_of(t) for t in text["texts"]]
     no_edit = torch.tensor([keep for _, _, keep in parsed])
     edited = [i for i, keep in enumerate(no_edit.tolist()) if not keep]
     # A kept image is not drawn again; with no edit at all one image still is (and trained with advantage 0), so
@@ -427,13 +483,14 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
     prev = torch.tensor([e["score"] for e in local])
     scores = prev.clone()
     if edited:
-        scores[edited] = score_images(cfg, reward_fn, [roll["texts"][i] for i in edited], [images[i] for i in edited],
+        scores[edited] = score_images(cfg, reward_fn, [text["texts"][i] for i in edited], [images[i] for i in edited],
                                       [rows[i] for i in edited])
     formats = torch.tensor([f for f, _, _ in parsed])
     text_r, image_r = reflect_rewards(scores, prev, formats, no_edit, cfg.format_weight)
-    return dict(roll, stage="reflect", images=images, cond=cond.detach(), drawn=draw, steps=steps, scores=scores,
-                formats=formats, sde_index=sde_index, step_image=step_image, rows=rows, text_rewards=text_r,
-                image_rewards=image_r, image_mask=(~no_edit).float(), no_edit=no_edit.float(), score_prev=prev)
+    return Rollout(**text, stage="reflect", images=images, cond=cond.detach(), drawn=draw, steps=steps,
+                   scores=scores, formats=formats, sde_index=sde_index, step_image=step_image, rows=rows,
+                   text_rewards=text_r, image_rewards=image_r, image_mask=(~no_edit).float(), no_edit=no_edit.float(),
+                   score_prev=prev)
 
 
 def gather_by_index(accelerator, values, global_ids, total):
@@ -448,8 +505,8 @@ def gather_by_index(accelerator, values, global_ids, total):
 def step_condition(roll):
     """The rollout's condition with one row per recorded SDE step (a window records several per image); `cond` holds
     the drawn rollouts' conditions, in `drawn` order."""
-    row = {r: k for k, r in enumerate(roll["drawn"])}
-    return roll["cond"].select([row[int(r)] for r in roll["step_image"]])
+    row = {r: k for k, r in enumerate(roll.drawn)}
+    return roll.cond.select([row[int(r)] for r in roll.step_image])
 
 
 def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, text_tokens, n_images, world):
@@ -458,13 +515,13 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
     With a window of W SDE steps per image each step is one term with its image's advantage, and the image part is
     their mean (n_images x W terms). Normalisers span all processes (DDP averages the gradients, hence the world
     factor). `model`: the (prepared) MixGRPOModel, called once for both parts. Returns (loss, stats)."""
-    loss, stats = torch.zeros((), device=roll["ids"].device), {}
-    train_image = cfg.tune_image_cot and roll["steps"] is not None
-    out = model(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature, True) if cfg.tune_text_cot else None,
-                image=(step_condition(roll), roll["steps"]) if train_image else None, edit=roll["stage"] == "reflect")
+    loss, stats = torch.zeros((), device=roll.ids.device), {}
+    train_image = cfg.tune_image_cot and roll.steps is not None
+    out = model(text=(roll.batch, roll.ids, roll.mask, cfg.temperature, True) if cfg.tune_text_cot else None,
+                image=(step_condition(roll), roll.steps) if train_image else None, edit=roll.stage == "reflect")
     if cfg.tune_text_cot:
         logps, entropy = out["text"]  # the policy's per-token entropy, from the same fused head pass
-        text_loss, st = clipped_policy_loss(logps, roll["old_logps"], adv_text, roll["mask"],
+        text_loss, st = clipped_policy_loss(logps, roll.old_logps, adv_text, roll.mask,
                                             epsilon_low=cfg.clip_range_text, beta=cfg.kl_weight_text,
                                             ref_logps=ref_logps, loss_type="dapo", num_items_in_batch=text_tokens,
                                             num_processes=world, entropy=entropy)
@@ -473,9 +530,9 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
                      ratio_max_dev_text=st["ratio_max_dev"], entropy_text=st["entropy"],
                      entropy_high_frac_text=st["entropy_high_frac"])
     if train_image:
-        steps, of = roll["steps"], roll["step_image"]
+        steps, of = roll.steps, roll.step_image
         logp, mean, std = out["image"]
-        ones = roll["image_mask"][of].to(logp)[:, None]  # refine samples without an edit are not trained
+        ones = roll.image_mask[of].to(logp)[:, None]  # refine samples without an edit are not trained
         per_image = len(of) // len(of.unique())  # SDE steps recorded per drawn image (a window's W)
         n = torch.tensor(float(n_images * per_image), device=logp.device)
         adv = adv_image[of.to(adv_image.device)]  # each recorded step carries its image's advantage
@@ -491,6 +548,112 @@ def mixgrpo_loss(cfg, model, roll, adv_text, adv_image, *, ref_logps, ref_mean, 
     return loss, stats
 
 
+# ---- the phases of a step, in the loop's order ----
+
+
+def sample_rollout(cfg, step, slots, rows, buffer, *, mix, accelerator, gen, edit_gen, **kw):
+    """Phase 1: this process's rollouts of the step, with every ZeRO-3 shard gathered once: the reason stage on `rows`
+    (the prompts of its policy group's `slots`), or, with rows None, reflect + refine on entries of `buffer`."""
+    mix.eval()
+    with unwrap_for_generation(mix, accelerator) as plain:
+        if rows is not None:
+            return reason_rollout(cfg, step, slots, rows, policy=plain.text, gen=gen, accelerator=accelerator, **kw)
+        return reflect_rollout(cfg, step, slots, buffer, policy=plain.text, gen=edit_gen, accelerator=accelerator,
+                               **kw)
+
+
+def advantages(accelerator, cfg, roll, total):
+    """Phase 2: the text and image rewards of every process, placed by rollout index, and this process's
+    group-normalised advantages (divided by the group's std with --scale_advantages)."""
+    scale = "group" if cfg.scale_advantages else "none"
+    text_rewards = gather_by_index(accelerator, roll.text_rewards, roll.global_ids, total)
+    image_rewards = gather_by_index(accelerator, roll.image_rewards, roll.global_ids, total)
+    local = torch.tensor(roll.global_ids)
+    text_all = group_advantages(text_rewards, cfg.group_size, scale=scale)
+    image = (group_advantages(image_rewards, cfg.group_size, scale=scale)[local] * roll.image_mask).to(
+        accelerator.device)  # no edit: advantage 0
+    return Advantages(text_rewards=text_rewards, image_rewards=image_rewards, text_all=text_all,
+                      text=text_all[local].to(accelerator.device), image=image)
+
+
+@torch.no_grad()
+def reference_logprobs(cfg, mix, ref_policy, roll):
+    """Phase 3: the reference's text log-probs (a frozen copy, or the VLM with its LoRA off) and the reference
+    generator's mean at each recorded SDE step (LoRA off), where their KL terms are on; None where not."""
+    text_ref = cfg.tune_text_cot and cfg.kl_weight_text
+    image_ref = cfg.tune_image_cot and cfg.kl_weight_image and roll.steps is not None
+    ref = mix(text=(roll.batch, roll.ids, roll.mask, cfg.temperature) if text_ref and ref_policy is None else None,
+              image=(step_condition(roll), roll.steps) if image_ref else None, reference=True,
+              edit=roll.stage == "reflect")
+    ref_logps = ref_policy(roll.batch, roll.ids, roll.mask, cfg.temperature) if ref_policy else ref.get("text")
+    return ref_logps, ref["image"][1] if image_ref else None
+
+
+def optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, *, ref_logps, ref_mean, total):
+    """Phase 4: `mixgrpo_loss` on this step's rollouts, backward, clipping at --max_grad_norm and one AdamW step on
+    both parts. Returns (loss, stats, the gradient norm before clipping or None)."""
+    text_tokens = accelerator.reduce(roll.mask.sum().float(), "sum")
+    mix.train()
+    loss, stats = mixgrpo_loss(cfg, mix, roll, adv.text, adv.image, ref_logps=ref_logps, ref_mean=ref_mean,
+                               text_tokens=text_tokens, n_images=total, world=accelerator.num_processes)
+    clear_stale_zero3_gradients(accelerator, mix)  # the vision tower idles on reason steps (utils/core/zero3.py)
+    accelerator.backward(loss)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else None
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, stats, grad_norm
+
+
+def log_step(accelerator, logger, cfg, step, roll, adv, loss, stats, grad_norm, *, total, learning_rate, step_time):
+    """Phase 5: the step's metrics row, under its stage's name (docs/mixgrpo.md), and its first --log_completions
+    rollouts."""
+    stage = roll.stage
+
+    def gathered(values):
+        return gather_by_index(accelerator, values, roll.global_ids, total)
+
+    fmt, scores = gathered(roll.formats), gathered(roll.scores)
+    metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(),
+               f"{stage}/text_reward": adv.text_rewards.nanmean(),
+               f"{stage}/image_reward": adv.image_rewards.nanmean(), f"{stage}/score": scores.nanmean(),
+               f"{stage}/unscored": scores.isnan().float().mean(),
+               f"{stage}/format": fmt.mean(),
+               f"{stage}/text_advantage_abs": adv.text_all.abs().mean(),
+               f"{stage}/image_advantage_abs": gathered(adv.image).abs().mean(),
+               f"{stage}/completion_length": accelerator.gather(roll.mask.sum(-1)).float().mean(),
+               f"{stage}/sde_step": roll.sde_index.mean(),
+               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+               "learning_rate": learning_rate, "step_time": step_time}
+    if stage == "reflect":
+        metrics["reflect/no_edit"] = gathered(roll.no_edit).mean()
+        metrics["reflect/improvement"] = (scores - gathered(roll.score_prev)).nanmean()
+    for k, v in stats.items():
+        reduced = accelerator.reduce(v.float(), "max" if k.startswith("ratio_max_dev") else "mean")
+        metrics[f"{stage}/{k}"] = reduced.item()
+    logger.log(step, metrics)
+    logger.log_completions(step, [
+        dict(id=int(i), stage=stage, prompt=r["prompt"], completion=t, score=float(s), text_reward=float(tr))
+        for i, r, t, s, tr in zip(roll.global_ids, roll.rows, roll.texts, roll.scores, roll.text_rewards)
+    ][: cfg.log_completions])
+
+
+def save_step(accelerator, cfg, step, *, mix, processor, state, buffer, generators, logger, uploader, gen_path,
+              vlm_path):
+    """Phase 5: the checkpoint, atomic: both parts through the prepared MixGRPOModel, each trained generator part
+    (its LoRA, or its whole transformer) and the reflect buffer beside them; then the push (the VLM at the
+    repository's top, each generator part in its subfolder)."""
+    kind = "lora" if cfg.generator_lora_r else "transformer"  # generator_lora/ or generator_transformer/
+    loras = {f"{name}_{kind}": save_generator(accelerator, g, params, cfg.output_dir, f"{name}_{kind}")
+             for name, g, params in generators}
+    extra_saves = {**{name: (lambda d, src=src: os.replace(src, d)) for name, src in loras.items()},
+                   **({"reflect_buffer": lambda d: save_buffer(buffer, d)} if buffer is not None else {})}
+    save_and_push(accelerator, cfg, step, model=mix, processor=processor, state=state, logger=logger,
+                  uploader=uploader, extra_saves=extra_saves, script="train_mixgrpo.py",
+                  base_model=[p for p in (vlm_path, gen_path, cfg.edit_generator_name_or_path) if p],
+                  parts=list(loras), notes=generator_card(cfg, gen_path, list(loras)))
+
+
 def main(cfg: MixGRPOConfig):
     # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
     accelerator = make_accelerator(cfg, find_unused_parameters=True)
@@ -498,10 +661,9 @@ def main(cfg: MixGRPOConfig):
     seed_run(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     G, P, K = cfg.group_size, cfg.policy_group_size, cfg.prompts_per_policy_group
-    scale = "group" if cfg.scale_advantages else "none"  # advantages / the group's std, or not
     n_groups, group, member = world // P, rank // P, rank % P
     prompts_per_step = n_groups * K
-    total = prompts_per_step * G
+    total = prompts_per_step * G  # rollouts per step, all processes
 
     # ---- data and reward (checked before any model is loaded) ----
     vlm_path, gen_path, edit_path, train_path, val_path = resolve_tiny_t2i(cfg, accelerator)
@@ -555,6 +717,10 @@ def main(cfg: MixGRPOConfig):
     if state:
         sampler.load_state_dict(state["sampler"])
     logger, uploader = start_logging(accelerator, cfg, total_steps=cfg.max_steps, start_step=global_step)
+    mine = list(range(group * K, (group + 1) * K))  # global prompt slots of this policy group
+    rollout_kw = dict(rank_in_group=member, processor=processor, gen=gen, edit_gen=edit_gen, accelerator=accelerator,
+                      stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn)
+    generators = [("generator", gen, gen_params)] + ([("edit_generator", edit_gen, edit_params)] if edit_params else [])
 
     def evaluate(tag):
         with unwrap_for_generation(mix, accelerator) as plain:  # ZeRO-3: every shard gathered once
@@ -574,104 +740,34 @@ def main(cfg: MixGRPOConfig):
     while global_step < cfg.max_steps:
         t_step = time.perf_counter()
         # ---- 1. rollout: even steps reason, odd steps reflect on a buffered image and refine it ----
-        stage = "reflect" if cfg.reflect_refine and global_step % 2 == 1 else "reason"
-        mine = list(range(group * K, (group + 1) * K))  # global prompt slots of this policy group
-        mix.eval()
-        with unwrap_for_generation(mix, accelerator) as plain:  # ZeRO-3: every shard gathered once for the rollout
-            common = dict(rank_in_group=member, policy=plain.text, processor=processor, gen=gen,
-                          accelerator=accelerator, stop_ids=stop_ids, suppress_ids=suppress_ids, reward_fn=reward_fn)
-            if stage == "reason":
-                prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
-                roll = reason_rollout(cfg, global_step, mine, [train_rows[prompt_idx[q]] for q in mine], **common)
-                if cfg.reflect_refine:
-                    buffer = build_buffer(accelerator, roll)
-            else:
-                roll = reflect_rollout(cfg, global_step, mine, buffer, **dict(common, gen=edit_gen))
-
+        rows = None
+        if not (cfg.reflect_refine and global_step % 2 == 1):
+            prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+            rows = [train_rows[prompt_idx[q]] for q in mine]
+        roll = sample_rollout(cfg, global_step, mine, rows, buffer, mix=mix, **rollout_kw)
+        if roll.stage == "reason" and cfg.reflect_refine:
+            buffer = build_buffer(accelerator, roll)
         # ---- 2. rewards and advantages over whole policy groups (gathered across processes) ----
-        all_text = gather_by_index(accelerator, roll["text_rewards"], roll["global_ids"], total)
-        all_image = gather_by_index(accelerator, roll["image_rewards"], roll["global_ids"], total)
-        local = torch.tensor(roll["global_ids"])
-        adv_text = group_advantages(all_text, G, scale=scale)[local].to(accelerator.device)
-        adv_image = (group_advantages(all_image, G, scale=scale)[local] * roll["image_mask"]).to(
-            accelerator.device)  # no edit: advantage 0
-        with torch.no_grad():  # the references: a frozen copy, or the same weights with LoRA off
-            text_ref = cfg.tune_text_cot and cfg.kl_weight_text
-            image_ref = cfg.tune_image_cot and cfg.kl_weight_image and roll["steps"] is not None
-            ref = mix(text=(roll["batch"], roll["ids"], roll["mask"], cfg.temperature)
-                      if text_ref and ref_policy is None else None,
-                      image=(step_condition(roll), roll["steps"]) if image_ref else None, reference=True,
-                      edit=stage == "reflect")
-            ref_logps = (ref_policy(roll["batch"], roll["ids"], roll["mask"], cfg.temperature) if ref_policy
-                         else ref.get("text"))
-            ref_mean = ref["image"][1] if image_ref else None
-        text_tokens = accelerator.reduce(roll["mask"].sum().float(), "sum")
-
-        # ---- 3. one optimizer step on both parts ----
-        mix.train()
-        loss, stats = mixgrpo_loss(cfg, mix, roll, adv_text, adv_image, ref_logps=ref_logps,
-                                   ref_mean=ref_mean, text_tokens=text_tokens, n_images=total, world=world)
-        clear_stale_zero3_gradients(accelerator, mix)  # the vision tower idles on reason steps (utils/core/zero3.py)
-        accelerator.backward(loss)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else None
-        optimizer.step()
-        optimizer.zero_grad()
+        adv = advantages(accelerator, cfg, roll, total)
+        # ---- 3. the references' log-probs: a frozen copy, or the same weights with LoRA off ----
+        ref_logps, ref_mean = reference_logprobs(cfg, mix, ref_policy, roll)
+        # ---- 4. one optimizer step on both parts ----
+        loss, stats, grad_norm = optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, ref_logps=ref_logps,
+                                                ref_mean=ref_mean, total=total)
         scheduler.step()
         global_step += 1
 
-        # ---- 4. log ----
-        if global_step % cfg.logging_steps == 0 or global_step == cfg.max_steps:
-            fmt = gather_by_index(accelerator, roll["formats"], roll["global_ids"], total)
-            scores = gather_by_index(accelerator, roll["scores"], roll["global_ids"], total)
-            metrics = {"loss": accelerator.reduce(loss.detach(), "mean").item(),
-                       f"{stage}/text_reward": all_text.nanmean(),
-                       f"{stage}/image_reward": all_image.nanmean(), f"{stage}/score": scores.nanmean(),
-                       f"{stage}/unscored": scores.isnan().float().mean(),
-                       f"{stage}/format": fmt.mean(),
-                       f"{stage}/text_advantage_abs": group_advantages(all_text, G, scale=scale).abs().mean(),
-                       f"{stage}/image_advantage_abs": gather_by_index(accelerator, adv_image, roll["global_ids"],
-                                                                        total).abs().mean(),
-                       f"{stage}/completion_length": accelerator.gather(roll["mask"].sum(-1)).float().mean(),
-                       f"{stage}/sde_step": roll["sde_index"].mean(),
-                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                       "learning_rate": scheduler.get_last_lr()[0], "step_time": time.perf_counter() - t_step}
-            if stage == "reflect":
-                metrics["reflect/no_edit"] = gather_by_index(accelerator, roll["no_edit"], roll["global_ids"],
-                                                             total).mean()
-                metrics["reflect/improvement"] = (scores - gather_by_index(
-                    accelerator, roll["score_prev"], roll["global_ids"], total)).nanmean()
-            for k, v in stats.items():
-                reduced = accelerator.reduce(v.float(), "max" if k.startswith("ratio_max_dev") else "mean")
-                metrics[f"{stage}/{k}"] = reduced.item()
-            logger.log(global_step, metrics)
-            logger.log_completions(global_step, [
-                dict(id=int(i), stage=stage, prompt=r["prompt"], completion=t, score=float(s), text_reward=float(tr))
-                for i, r, t, s, tr in zip(roll["global_ids"], roll["rows"], roll["texts"], roll["scores"],
-                                          roll["text_rewards"])
-            ][: cfg.log_completions])
+        # ---- 5. log, evaluate, checkpoint (atomic: both parts, optimizer, scheduler, sampler, RNG) and push ----
+        if is_due(global_step, cfg.logging_steps, cfg.max_steps):
+            log_step(accelerator, logger, cfg, global_step, roll, adv, loss, stats, grad_norm, total=total,
+                     learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - t_step)
         if val_rows is not None and cfg.eval_steps and global_step % cfg.eval_steps == 0 \
                 and global_step < cfg.max_steps:
             evaluate(f"step{global_step}")
-
-        # ---- 5. checkpoint (atomic: both parts, optimizer, scheduler, sampler, RNG) ----
-        if global_step % cfg.save_steps == 0 or global_step == cfg.max_steps:
-            kind = "lora" if cfg.generator_lora_r else "transformer"  # generator_lora/ or generator_transformer/
-            trained = [("generator", gen, gen_params)] + ([("edit_generator", edit_gen, edit_params)]
-                                                          if edit_params else [])
-            loras = {f"{name}_{kind}": save_generator(accelerator, g, params, cfg.output_dir, f"{name}_{kind}")
-                     for name, g, params in trained}
-            path = save_checkpoint(
-                accelerator, cfg.output_dir, global_step, model=mix, processor=processor,
-                extra_state=dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before),
-                save_total_limit=cfg.save_total_limit,
-                extra_saves={**{name: (lambda d, src=src: os.replace(src, d)) for name, src in loras.items()},
-                             **({"reflect_buffer": lambda d: save_buffer(buffer, d)} if buffer is not None else {})})
-            if uploader:  # the VLM at the repository's top, each generator part in its subfolder
-                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics,
-                              base_model=[p for p in (vlm_path, gen_path, cfg.edit_generator_name_or_path) if p],
-                              script="train_mixgrpo.py", parts=list(loras),
-                              notes=generator_card(cfg, gen_path, list(loras)))
+        if is_due(global_step, cfg.save_steps, cfg.max_steps):
+            state = dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before)
+            save_step(accelerator, cfg, global_step, mix=mix, processor=processor, state=state, buffer=buffer,
+                      generators=generators, logger=logger, uploader=uploader, gen_path=gen_path, vlm_path=vlm_path)
 
     summary = train_summary(global_step, train_start, logger)
     if val_rows is not None:

@@ -7,7 +7,10 @@
     model, optimizer, scheduler = prepare_training(accelerator, cfg, model, params, ...)
     state, resume_path = resume_run(accelerator, cfg)
     logger, uploader = start_logging(accelerator, cfg, ...)
-    ... evaluate before, the training loop with its checkpoint calls, evaluate after (in the script) ...
+    ... evaluate before, the training loop (in the script), each step ending with
+        if is_due(step, cfg.logging_steps, max_steps): logger.log(step, ...)
+        if is_due(step, cfg.save_steps, max_steps): save_and_push(accelerator, cfg, step, ...)
+    ... evaluate after ...
     finish_run(accelerator, cfg, logger, uploader, train_summary(...), curves=...)
 
 What differs between the scripts (the loop, the checkpoint contents, the evaluation) stays in the script.
@@ -21,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import get_scheduler
 
-from utils.core.checkpoint import load_checkpoint, resolve_resume
+from utils.core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.core.config import config_to_dict, save_config
 from utils.core.hub import HubUploader
 from utils.core.launch import accelerator_device_kwargs, set_cpu_threads
@@ -96,6 +99,25 @@ def start_logging(accelerator, cfg, *, total_steps, start_step):
                        total_steps=total_steps, start_step=start_step)
     uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
     return logger, uploader
+
+
+def is_due(step, every, last_step):
+    """True at every `every`-th step and at the last one (--logging_steps, --save_steps, --eval_steps)."""
+    return step % every == 0 or step == last_step
+
+
+def save_and_push(accelerator, cfg, step, *, model, processor, state, logger, uploader, base_model, script,
+                  extra_saves=None, **card):
+    """The step's checkpoint (atomic, utils.core.checkpoint.save_checkpoint: the prepared `model`, optimizer,
+    scheduler, RNG, the script's `state` and `extra_saves`; --save_total_limit kept), then, with --push_to_hub, its
+    upload in the background with the recipe, the last metrics and the model card's `base_model`, `script` and
+    `card` extras. Returns the checkpoint's path."""
+    path = save_checkpoint(accelerator, cfg.output_dir, step, model=model, processor=processor, extra_state=state,
+                           save_total_limit=cfg.save_total_limit, extra_saves=extra_saves)
+    if uploader:
+        uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=base_model,
+                      script=script, **card)
+    return path
 
 
 def train_summary(global_step, train_start, logger):
