@@ -8,6 +8,7 @@ from kernels import fused_token_logprobs
 from utils.core.encoding import check_features_match_tokens
 from utils.core.models import activation_checkpointing_on, adapters_disabled
 from utils.core.rollout import cache_kwargs
+from utils.core.trajectories import PIXEL_KEYS, full_side, has_media, sequence_media, side_keys
 
 
 def hf_core(model):
@@ -47,22 +48,26 @@ class CompletionLogProbs(nn.Module):
         return hf_core(self.model).config
 
     def forward(self, prompt_inputs, completion_ids, completion_mask, temperature=1.0, return_entropy=False,
-                prompt_index=None):
+                prompt_index=None, completion_inputs=None, label_mask=None):
         """Log-probs [B, T] of the completions. With `prompt_index` ([B], row of `prompt_inputs` for each
-        completion) the G completions of a group share one forward pass over their prompt."""
+        completion) the G completions of a group share one forward pass over their prompt.
+
+        Tool trajectories (utils/core/tool_rollout.py): `completion_inputs` holds the side inputs and images of the
+        tool tokens inside the completions (utils/core/trajectories.py), and `label_mask` the tokens to score (the
+        model's own; default: all of `completion_mask`, which stays the attention's); 0 elsewhere."""
         core = hf_core(self.model)
+        labels = completion_mask if label_mask is None else label_mask
         if self.padding_free:
             from utils.core.packing import packed_completion_hidden
 
             hidden, _ = packed_completion_hidden(core.base_model, prompt_inputs, prompt_index, completion_ids,
-                                                 completion_mask)
-            return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
+                                                 completion_mask, completion_inputs=completion_inputs)
+            return self._head_logprobs(core, hidden, completion_ids, labels, temperature, return_entropy)
         if prompt_index is not None:
             if not activation_checkpointing_on(core):
                 return self._shared_prompt_forward(core, prompt_inputs, prompt_index, completion_ids, completion_mask,
-                                                   temperature, return_entropy)
+                                                   temperature, return_entropy, completion_inputs, labels)
             prompt_inputs = expand_prompts(prompt_inputs, prompt_index)
-        check_features_match_tokens(core.config, prompt_inputs)
         input_ids = torch.cat([prompt_inputs["input_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([prompt_inputs["attention_mask"],
                                     completion_mask.to(prompt_inputs["attention_mask"])], dim=1)
@@ -71,15 +76,19 @@ class CompletionLogProbs(nn.Module):
             if key in ("input_ids", "attention_mask"):
                 continue
             if torch.is_tensor(value) and value.dim() == 2 and value.shape == prompt_inputs["input_ids"].shape:
-                # Per-token side inputs (mm_token_type_ids, token_type_ids): completion tokens are text (0).
-                value = torch.cat([value, value.new_zeros(completion_ids.shape)], dim=1)
+                # Per-token side inputs (mm_token_type_ids, token_type_ids): the tool tokens' own, text (0) elsewhere.
+                value = full_side(value, completion_ids, completion_inputs, key)
             extra[key] = value
+        if has_media(completion_inputs):  # each sequence's prompt images, then its tool images
+            extra.update(sequence_media(core.config, prompt_inputs, None, completion_ids, completion_mask,
+                                        completion_inputs))
+        check_features_match_tokens(core.config, dict(extra, input_ids=input_ids))
         hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
         prompt_length = prompt_inputs["input_ids"].shape[1]
         # The hidden state at position i predicts token i + 1.
         hidden = hidden[:, prompt_length - 1 : -1, :]
-        return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
+        return self._head_logprobs(core, hidden, completion_ids, labels, temperature, return_entropy)
 
     @staticmethod
     def _head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy):
@@ -91,10 +100,11 @@ class CompletionLogProbs(nn.Module):
 
 
     def _shared_prompt_forward(self, core, prompts, prompt_index, completion_ids, completion_mask, temperature,
-                               return_entropy):
+                               return_entropy, completion_inputs=None, labels=None):
         """Each unique prompt (vision tower included) runs once; its KV cache is then index-selected to the
         completions, so a group's completions share it and its gradient sums over them. Positions (Qwen's
-        3-D rope too) are those of the full sequences, as in the unshared forward."""
+        3-D rope too) are those of the full sequences, as in the unshared forward. Tool images inside the
+        completions go through the vision tower in the completions' pass."""
         from transformers import DynamicCache
 
         check_features_match_tokens(core.config, prompts)
@@ -104,12 +114,19 @@ class CompletionLogProbs(nn.Module):
         lp = p_ids.shape[1]
         full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
         extra = {k: v for k, v in prompts.items() if k not in ("input_ids", "attention_mask")}
+        continuation = dict(side_keys(completion_inputs, completion_ids.shape))
+        if has_media(completion_inputs):
+            continuation.update({k: completion_inputs[k] for k in PIXEL_KEYS})
         prefix_pos = completion_pos = None
         if "mm_token_type_ids" in prompts and hasattr(base, "get_rope_index"):  # Qwen-VL: 3-D rope; Gemma 4: 1-D
             full = expand_prompts(prompts, idx)
-            mm = torch.cat([full["mm_token_type_ids"], full["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
+            mm = full_side(full["mm_token_type_ids"], completion_ids, completion_inputs, "mm_token_type_ids")
+            grids = full.get("image_grid_thw")
+            if has_media(completion_inputs):
+                grids = sequence_media(core.config, prompts, idx, completion_ids, completion_mask,
+                                       completion_inputs)["image_grid_thw"]
             pos, _ = base.get_rope_index(torch.cat([full["input_ids"], completion_ids], 1), mm,
-                                         image_grid_thw=full.get("image_grid_thw"), attention_mask=full_mask,
+                                         image_grid_thw=grids, attention_mask=full_mask,
                                          **{k: full[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in full})
             first = torch.stack([(idx == p).nonzero()[0, 0] for p in range(p_ids.shape[0])])
             prefix_pos, completion_pos = pos[:, first, :lp], pos[:, :, lp:]
@@ -119,9 +136,10 @@ class CompletionLogProbs(nn.Module):
         last = out.last_hidden_state[:, -1]  # left padding: the last column is each prompt's last token
         cache.batch_select_indices(idx)
         out = base(input_ids=completion_ids, attention_mask=full_mask, position_ids=completion_pos,
-                   **cache_kwargs(base, cache), use_cache=True)
+                   **cache_kwargs(base, cache), use_cache=True, **continuation)
         hidden = torch.cat([last[idx][:, None], out.last_hidden_state[:, :-1]], 1)
-        return self._head_logprobs(core, hidden, completion_ids, completion_mask, temperature, return_entropy)
+        labels = completion_mask if labels is None else labels
+        return self._head_logprobs(core, hidden, completion_ids, labels, temperature, return_entropy)
 
 
 # Families whose prompt pass (vision tower, rope, image attention) is exact when shared by a group's completions,

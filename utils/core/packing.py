@@ -27,6 +27,7 @@ import torch
 from transformers.modeling_flash_attention_utils import flash_attn_supports_top_left_mask
 
 from utils.core.packed_attention import Segments  # registers the packed attention functions
+from utils.core.trajectories import full_side, has_media, packed_media, sequence_media, side_keys
 
 # Tokens per packed row: eager's dense row mask grows as its square (256 MiB of fp32 at 8192).
 MAX_PACKED_TOKENS = 8192
@@ -231,12 +232,13 @@ def _prompt_grids(base, rest, mm_token_type_ids, idx):
 
 
 def packed_completion_hidden(base, prompts, prompt_index, completion_ids, completion_mask, *,
-                             max_tokens=None):
+                             max_tokens=None, completion_inputs=None):
     """Hidden states [B, T, H] predicting each completion token (position t predicts completion_ids[:, t]; zero
     where completion_mask is 0), from one packed pass over the unique prompts and the completions.
 
     prompts: left-padded unique prompts; prompt_index [B] maps completions to them (None: prompt i is
-    completion i's). completion_mask must be a prefix mask (generation's: ones up to the stop token)."""
+    completion i's). completion_mask must be a prefix mask (generation's: ones up to the stop token).
+    completion_inputs: the side inputs and images of tool tokens inside the completions (utils/core/trajectories.py)."""
     if not _is_prefix_mask(completion_mask):
         raise ValueError("padding_free: completion_mask must be ones then zeros in every row")
     device = completion_ids.device
@@ -246,17 +248,24 @@ def packed_completion_hidden(base, prompts, prompt_index, completion_ids, comple
     p_ids, p_mask = prompts["input_ids"], prompts["attention_mask"]
     lp = p_ids.shape[1]
     per_token, rest = _side_inputs(prompts)
+    comp_side = side_keys(completion_inputs, completion_ids.shape)
     lengths = completion_mask.sum(-1).tolist()
     mrope = "mm_token_type_ids" in per_token and hasattr(base, "get_rope_index")
-    if mrope:  # the padded batch's positions: each completion's prompt, then the completion
-        full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
-        mm = torch.cat([per_token["mm_token_type_ids"][idx],
-                        per_token["mm_token_type_ids"].new_zeros(completion_ids.shape)], 1)
-        grids = _prompt_grids(base, rest, per_token["mm_token_type_ids"], idx)  # a prompt may hold several
-        full_pos = _mrope_positions(base, torch.cat([p_ids[idx], completion_ids], 1), mm, full_mask, grids)
     members = [[] for _ in range(p_ids.shape[0])]
     for i, p in enumerate(idx.tolist()):
         members[p].append(i)
+    if mrope:  # the padded batch's positions: each completion's prompt, then the completion
+        full_mask = torch.cat([p_mask[idx], completion_mask.to(p_mask)], 1)
+        mm = full_side(per_token["mm_token_type_ids"][idx], completion_ids, completion_inputs, "mm_token_type_ids")
+        if has_media(completion_inputs):  # its prompt's images, then its tool images
+            grids = {"image_grid_thw": sequence_media(base.config, prompts, idx, completion_ids, completion_mask,
+                                                      completion_inputs)["image_grid_thw"]}
+        else:
+            grids = _prompt_grids(base, rest, per_token["mm_token_type_ids"], idx)  # a prompt may hold several
+        full_pos = _mrope_positions(base, torch.cat([p_ids[idx], completion_ids], 1), mm, full_mask, grids)
+    if has_media(completion_inputs):  # pixel rows in packed order: a prompt's images, then its completions'
+        rest = dict(rest, **packed_media(base.config, prompts, members, completion_ids, completion_mask,
+                                         completion_inputs, idx))
     pieces, unit_of = [], {}
     for p, comps in enumerate(members):
         if not comps:
@@ -269,7 +278,8 @@ def packed_completion_hidden(base, prompts, prompt_index, completion_ids, comple
             k = max(int(lengths[i]) - 1, 0)  # the last token predicts nothing
             c_pos = full_pos[:, i, lp:lp + k] if mrope else n_p + torch.arange(k, device=device)
             unit.append((i, completion_ids[i, :k], c_pos,
-                         {key: torch.zeros(k, dtype=torch.long, device=device) for key in per_token}))
+                         {key: comp_side[key][i, :k].long() if key in comp_side
+                          else torch.zeros(k, dtype=torch.long, device=device) for key in per_token}))
         unit_of[p] = len(pieces)
         pieces.append(unit)
     packed = Packed(pieces, max_tokens=max_tokens or MAX_PACKED_TOKENS, device=device)
