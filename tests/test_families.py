@@ -14,7 +14,7 @@ from utils.core.sft_data import IGNORE_INDEX, encode_sft_batch
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 # The families whose group of completions shares one prompt pass (the rest pay their prompt once per completion).
-SHARED = {"qwen2_5_vl", "qwen3_vl", "gemma3", "gemma4", "glm4v", "smolvlm", "llava_onevision", "qwen3"}
+SHARED = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "gemma4", "glm4v", "smolvlm", "llava_onevision", "qwen3"}
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)

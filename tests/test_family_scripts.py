@@ -12,7 +12,7 @@ import train_sft
 from tiny.shapes import make_shapes_vqa
 from utils.core.tracking import read_jsonl
 
-FAMILIES = ["qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl3_5", "smolvlm", "llava_onevision", "qwen3"]
+FAMILIES = ["qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl3_5", "smolvlm", "llava_onevision", "qwen3"]
 
 
 @pytest.fixture(scope="module")

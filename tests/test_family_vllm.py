@@ -21,6 +21,7 @@ class Flags:
 # What each family's vLLM processor is given, from the tiny family's own image processor (the settings
 # tiny/models.py builds it with): checked against the family's module in vLLM's model_executor/models.
 EXPECTED_MM_KWARGS = {
+    "qwen2_vl": {"size": {"shortest_edge": 28 * 28, "longest_edge": 4 * 84 * 84}},
     "qwen2_5_vl": {"size": {"shortest_edge": 28 * 28, "longest_edge": 4 * 84 * 84}},
     "qwen3_vl": {"size": {"shortest_edge": 32 * 32, "longest_edge": 4 * 96 * 96}},
     "qwen3_5": {"size": {"shortest_edge": 32 * 32, "longest_edge": 4 * 96 * 96}},
@@ -32,7 +33,7 @@ EXPECTED_MM_KWARGS = {
     "llava_onevision": {},
     "gemma4": {"max_soft_tokens": 70},
 }
-VIDEO = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision", "gemma4"}
+VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "llava_onevision", "gemma4"}
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)

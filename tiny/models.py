@@ -1,8 +1,8 @@
 """Tiny models built from configs, so the whole stack runs on a CPU without downloading anything.
 
-- `make_tiny_vlm`: a tiny VLM of one family (tiny.tokenizer.ALL_FAMILIES: Qwen2.5-VL (default), Qwen3-VL, Qwen3.5,
-  Gemma 3, Gemma 4, InternVL3 / InternVL3.5, GLM-4.1V, SmolVLM, LLaVA-OneVision) with transformers' own classes and
-  processors, saved as an ordinary HF folder (`AutoModelForImageTextToText` / `AutoProcessor` load it).
+- `make_tiny_vlm`: a tiny VLM of one family (tiny.tokenizer.ALL_FAMILIES: Qwen2.5-VL (default), Qwen2-VL, Qwen3-VL,
+  Qwen3.5, Gemma 3, Gemma 4, InternVL3 / InternVL3.5, GLM-4.1V, SmolVLM, LLaVA-OneVision) with transformers' own
+  classes and processors, saved as an ordinary HF folder (`AutoModelForImageTextToText` / `AutoProcessor` load it).
 - `make_tiny_llm`: a tiny text-only Qwen2 or Qwen3 causal LM with the same tokenizer and chat template.
 - `make_tiny_flow_model`: a tiny diffusers flow-matching generator (SD3 transformer, VAE, scheduler).
 
@@ -47,34 +47,39 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [t, 3 * half // 8, 3 * half // 8]
 
 
-def _qwen2_5_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
-                vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def _qwen2_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+              vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    """Qwen2-VL: Qwen2.5-VL's tokens, processor and M-RoPE, but a ViT of full attention (no windows), LayerNorm and
+    a quick-GELU MLP, with its own width (`embed_dim`) merged into the LM's (`hidden_size`)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
-    ids = dict(zip(("image", "video", "start", "end"), _token_ids(
-        tok, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])))
+    config = Qwen2VLConfig(
+        vision_config=dict(depth=vision_depth, embed_dim=vision_hidden_size, hidden_size=hidden_size, mlp_ratio=4,
+                           num_heads=vision_heads, patch_size=patch_size, spatial_merge_size=merge_size,
+                           temporal_patch_size=2),
+        **_qwen_vl_text(tok, vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size),
+    )
+    image_processor, video_processor = _qwen_vl_processors(image_size, patch_size, merge_size)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                 chat_template=tok.chat_template)
+    return Qwen2VLForConditionalGeneration(config), processor
+
+
+def _qwen_vl_text(tok, vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size):
+    """The config arguments Qwen2-VL and Qwen2.5-VL share: the text config with M-RoPE, the vision token ids."""
+    ids = _token_ids(tok, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
     text = _text_kwargs(vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                         tok.eos_token_id, tok.pad_token_id)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
                                "mrope_section": _mrope_section(hidden_size // num_attention_heads)}
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=dict(
-            depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
-            num_heads=vision_heads, patch_size=patch_size, spatial_merge_size=merge_size,
-            temporal_patch_size=2, out_hidden_size=hidden_size, window_size=patch_size * merge_size * 4,
-            fullatt_block_indexes=[vision_depth - 1],
-        ),
-        image_token_id=ids["image"], video_token_id=ids["video"],
-        vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
-        tie_word_embeddings=True,
-    )
+    return dict(text_config=text, image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+                vision_end_token_id=ids[3], tie_word_embeddings=True)
+
+
+def _qwen_vl_processors(image_size, patch_size, merge_size):
+    """The image and video processors of Qwen2-VL and Qwen2.5-VL."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
     factor = patch_size * merge_size
     # An image_size x image_size image keeps its size (smart_resize rounds to multiples of `factor`);
     # larger ones are capped at 4x the pixels so a stray big image cannot blow up the sequence.
@@ -82,7 +87,23 @@ def _qwen2_5_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_h
         size={"shortest_edge": factor * factor, "longest_edge": 4 * image_size * image_size},
         patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2,
     )
-    video_processor = Qwen2VLVideoProcessor(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2)
+    return image_processor, Qwen2VLVideoProcessor(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2)
+
+
+def _qwen2_5_vl(tok, image_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+                vision_depth, vision_hidden_size, vision_heads, patch_size, merge_size, vocab):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=4 * vision_hidden_size,
+            num_heads=vision_heads, patch_size=patch_size, spatial_merge_size=merge_size,
+            temporal_patch_size=2, out_hidden_size=hidden_size, window_size=patch_size * merge_size * 4,
+            fullatt_block_indexes=[vision_depth - 1],
+        ),
+        **_qwen_vl_text(tok, vocab, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size),
+    )
+    image_processor, video_processor = _qwen_vl_processors(image_size, patch_size, merge_size)
     processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok,
                                     video_processor=video_processor, chat_template=tok.chat_template)
     return Qwen2_5_VLForConditionalGeneration(config), processor
@@ -407,8 +428,8 @@ def _llava_onevision(tok, image_size, hidden_size, num_hidden_layers, num_attent
     return LlavaOnevisionForConditionalGeneration(config), processor
 
 
-_BUILDERS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5, "gemma3": _gemma3,
-             "gemma4": _gemma4, "internvl": _internvl, "internvl3_5": _internvl3_5, "glm4v": _glm4v,
+_BUILDERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5,
+             "gemma3": _gemma3, "gemma4": _gemma4, "internvl": _internvl, "internvl3_5": _internvl3_5, "glm4v": _glm4v,
              "smolvlm": _smolvlm, "llava_onevision": _llava_onevision}
 # Each family at the tiny sizes that still exercise its features (patch and merge sizes of the released models
 # where the tower allows; an image of `image_size` px is one tile / one base view).

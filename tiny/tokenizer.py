@@ -1,7 +1,7 @@
 """The tiny world's tokenizer: one byte-level BPE trained on the synthetic questions and answer formats, with
-the special tokens and chat template of each VLM family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Gemma 4, InternVL,
-GLM-4.1V, SmolVLM, LLaVA-OneVision): each family's turn markers, role names and image placeholder, as its released
-template renders them (system prompts defaults and thinking blocks left out).
+the special tokens and chat template of each VLM family (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3.5, Gemma 3, Gemma 4,
+InternVL, GLM-4.1V, SmolVLM, LLaVA-OneVision): each family's turn markers, role names and image placeholder, as its
+released template renders them (system prompts defaults and thinking blocks left out).
 
 Each answer word of the synthetic tasks is a single token, so an answer is one sampling decision.
 """
@@ -23,7 +23,8 @@ DEFAULT_BPE_VOCAB = 384  # 256 byte symbols + 128 merges; the family's special t
 
 FAMILIES = ("qwen2_5_vl", "internvl", "glm4v")  # the first three, which the loader and SFT tests run through
 # Every family make_tiny_vlm builds (tests/test_families.py runs each through the log-prob, SFT and vLLM checks).
-ALL_FAMILIES = FAMILIES + ("qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl3_5", "smolvlm", "llava_onevision")
+ALL_FAMILIES = FAMILIES + ("qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl3_5", "smolvlm",
+                           "llava_onevision")
 
 
 
@@ -338,10 +339,10 @@ _FAMILY_TOKENS.update({
         template=_llava_onevision_template,
     ),
 })
-# Qwen3-VL and Qwen3.5 keep Qwen2.5-VL's tokens and ChatML turns; InternVL3.5 those of InternVL3; the text-only
-# LLMs (Qwen2, Qwen3) speak ChatML too.
-for _alias, _source in (("qwen3_vl", "qwen2_5_vl"), ("qwen3_5", "qwen2_5_vl"), ("internvl3_5", "internvl"),
-                        ("qwen2", "qwen2_5_vl"), ("qwen3", "qwen2_5_vl")):
+# Qwen2-VL, Qwen3-VL and Qwen3.5 keep Qwen2.5-VL's tokens and ChatML turns; InternVL3.5 those of InternVL3; the
+# text-only LLMs (Qwen2, Qwen3) speak ChatML too.
+for _alias, _source in (("qwen2_vl", "qwen2_5_vl"), ("qwen3_vl", "qwen2_5_vl"), ("qwen3_5", "qwen2_5_vl"),
+                        ("internvl3_5", "internvl"), ("qwen2", "qwen2_5_vl"), ("qwen3", "qwen2_5_vl")):
     _FAMILY_TOKENS[_alias] = _FAMILY_TOKENS[_source]
 
 
