@@ -31,10 +31,13 @@ import torch
 
 from tiny.cache import TINY_DATASET, resolve_dataset
 from utils.core.config import choice, config_to_dict, parse_config
-from utils.core.data import load_vqa, render_question
+from utils.core.conversations import prompt_question, set_chat_template
 from utils.core.errors import exit_on_bad_input
 from utils.core.launch import set_cpu_threads
 from utils.core.prompts import PROMPT_TEMPLATES
+from utils.core.tool_formats import tool_format
+from utils.core.tool_rollout import ToolRollout, context_limit
+from utils.core.tools import ToolBox, pixel_budget
 from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
 from utils.eval.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.eval.grading import (
@@ -47,7 +50,7 @@ from utils.eval.grading import (
     parse_completion,
     resolve_embedding_model,
 )
-from utils.eval.heldout import generate_answers, generate_answers_remote
+from utils.eval.heldout import generate_answers, generate_answers_remote, load_graded_set
 from utils.eval.keywords import compare_keywords, keyword_frequencies, load_texts
 
 METRICS = ("crystal", "accuracy", "math", "keywords")
@@ -75,6 +78,9 @@ class EvalConfig:
     # data
     dataset: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file"})
     split: str = "test"  # split of --dataset
+    prompt_column: Optional[str] = field(default="prompt", metadata={"help": (
+        "column of TRL-style prompts (chat messages or text), used when the data set has it; otherwise the "
+        "question/image columns; none: always those columns")})
     image_column: str = "image"  # column with the image(s)
     video_column: str = "video"  # column with the video(s), when present (docs/data.md)
     question_column: str = "question"  # column with the question text
@@ -92,7 +98,13 @@ class EvalConfig:
     answer_extractor_model: Optional[str] = None  # model name the --answer_extractor_base_url server serves
     # generation
     prompt_template: str = choice(*PROMPT_TEMPLATES)  # answer format asked for in the system prompt and parsed
-    system_prompt: Optional[str] = None  # replaces the template's system prompt
+    system_prompt: Optional[str] = None  # replaces the template's system prompt (a prompt column's: added if none)
+    chat_template_path: Optional[str] = field(default=None, metadata={"help": (
+        "a .jinja file or a tokenizer folder whose chat template replaces the model's (TRL's flag); none: its own")})
+    tools: list[str] = field(default_factory=list, metadata={"help": (
+        "functions the model may call while it answers, as in training (docs/tools.md); none: one turn")})
+    max_tool_calling_iterations: Optional[int] = None  # most rounds of tool calls per answer; none: the token budget
+    tool_timeout: float = 10.0  # seconds a tool call may run before the model is told it timed out
     max_new_tokens: int = 512  # max tokens per generated answer
     batch_size: int = 32  # prompts per generation batch (local --model)
     temperature: float = field(default=0.0, metadata={"help": "<= 0: greedy"})
@@ -154,6 +166,14 @@ def validate(cfg):
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
         raise ValueError("--batch_size and --max_new_tokens must be >= 1")
     check_config_video_flags(cfg)
+    if cfg.tools and cfg.base_url:
+        raise ValueError("--tools runs the tool loop on a local --model; a --base_url server parses tool calls itself")
+    if not cfg.tools and (cfg.max_tool_calling_iterations is not None or cfg.tool_timeout != EvalConfig.tool_timeout):
+        raise ValueError("--max_tool_calling_iterations and --tool_timeout apply to --tools, which is empty")
+    if cfg.tools:
+        if not cfg.tool_timeout > 0:
+            raise ValueError(f"--tool_timeout {cfg.tool_timeout} must be > 0")
+        ToolBox(cfg.tools, timeout=cfg.tool_timeout)  # each tool imports and has a schema
 
 
 def load_rows(cfg):
@@ -162,10 +182,12 @@ def load_rows(cfg):
 
         return load_benchmark(cfg.benchmark, cfg.dataset, split=cfg.split, max_samples=cfg.max_samples)
     path = resolve_dataset(cfg.dataset)
-    dataset = load_vqa(path, split=cfg.split, image_column=cfg.image_column, question_column=cfg.question_column,
-                       answer_column=cfg.answer_column, steps_column=cfg.steps_column,
-                       choices_column=cfg.choices_column, id_column=cfg.id_column,
-                       require_steps="crystal" in cfg.metrics, video_column=cfg.video_column)
+    # TRL's prompt column when the data set has one, else the question/image columns
+    dataset = load_graded_set(path, split=cfg.split, prompt_column=cfg.prompt_column, image_column=cfg.image_column,
+                              question_column=cfg.question_column, answer_column=cfg.answer_column,
+                              steps_column=cfg.steps_column, choices_column=cfg.choices_column,
+                              id_column=cfg.id_column, require_steps="crystal" in cfg.metrics,
+                              video_column=cfg.video_column)
     n = min(len(dataset), cfg.max_samples or len(dataset))
     return [dataset[i] for i in range(n)]
 
@@ -175,7 +197,8 @@ def generate(cfg, model_path, rows):
     if cfg.base_url:
         return generate_answers_remote(cfg.base_url, cfg.served_model_name, rows, prompt_template=cfg.prompt_template,
                                        system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_new_tokens,
-                                       temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key)
+                                       temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key,
+                                       prompt_column=cfg.prompt_column)
     from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
@@ -183,17 +206,36 @@ def generate(cfg, model_path, rows):
                                                 max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
                                                 max_anyres_num=cfg.max_anyres_num)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
+    set_chat_template(processor, cfg.chat_template_path)
     budget = budget_from_config(processor, cfg) if any(videos_of(r) for r in rows) else None
     return generate_answers(model, processor, rows, prompt_template=cfg.prompt_template,
                             system_prompt=cfg.system_prompt, batch_size=cfg.batch_size,
                             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-                            video_budget=budget)
+                            video_budget=budget, prompt_column=cfg.prompt_column,
+                            tools=tool_loop(cfg, model, processor, model_path))
+
+
+def tool_loop(cfg, model, processor, model_path):
+    """--tools: the multi-turn loop of training (utils/core/tool_rollout.py), --max_new_tokens counting the model's
+    and the tools' tokens; None without tools."""
+    if not cfg.tools:
+        return None
+    from utils.core.rollout import stop_token_ids
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    stop_ids = stop_token_ids(model, tokenizer)
+    toolbox = ToolBox(cfg.tools, timeout=cfg.tool_timeout, max_pixels=pixel_budget(processor))
+    fmt = tool_format(processor, [tokenizer.decode([i]) for i in stop_ids], model_name=model_path)
+    return ToolRollout(processor, toolbox, fmt, stop_ids=stop_ids, max_completion_length=cfg.max_new_tokens,
+                       max_iterations=cfg.max_tool_calling_iterations, context_limit=context_limit(model),
+                       model_type=model.config.model_type)
 
 
 def score(cfg, rows, texts, output_dir):
     """Write the prediction files and compute every requested metric; returns the metrics dict."""
     os.makedirs(output_dir, exist_ok=True)
-    predictions, references = crystal_files(rows, texts, prompt_template=cfg.prompt_template)
+    predictions, references = crystal_files(rows, texts, prompt_template=cfg.prompt_template,
+                                            prompt_column=cfg.prompt_column)
     _write_json(os.path.join(output_dir, "predictions.json"), predictions)
     _write_json(os.path.join(output_dir, "references.json"), references)
     grade, judge = AnswerGrader(), benchmark_judge(cfg)
@@ -201,7 +243,7 @@ def score(cfg, rows, texts, output_dir):
     records = []
     for index, (row, text) in enumerate(zip(rows, texts)):
         _, answer = parse_completion(text, prompt_template=cfg.prompt_template)
-        question = render_question(row["question"], row.get("choices"))
+        question = prompt_question(row, prompt_column=cfg.prompt_column)
         record = {"id": str(row.get("id", index)), "question": question, "completion": text,
                   "predicted_answer": answer, "answer": str(row["answer"])}
         if judge:  # the benchmark's own rules, on the answer block (or, without one, the whole response)

@@ -25,8 +25,15 @@ from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
 from utils.core.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
 from utils.core.config import ConfigError, choice, parse_config
+from utils.core.conversations import (
+    load_prompt_set,
+    prompt_images,
+    prompt_messages,
+    prompt_question,
+    reward_columns,
+    set_chat_template,
+)
 from utils.core.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
-from utils.core.data import images_of, load_vqa
 from utils.core.encoding import encode_prompts
 from utils.core.errors import exit_on_bad_input
 from utils.core.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
@@ -44,7 +51,7 @@ from utils.core.losses import (
 from utils.core.models import disable_dropout, load_model_and_processor, prepare_for_training
 from utils.core.packing import resolve_padding_free
 from utils.core.pcgrad import PCGradAccumulator
-from utils.core.prompts import PROMPT_TEMPLATES, build_messages
+from utils.core.prompts import PROMPT_TEMPLATES
 from utils.core.records import Record
 from utils.core.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.core.rollout import (
@@ -67,7 +74,10 @@ from utils.core.run import (
 )
 from utils.core.samplers import CurriculumSampler
 from utils.core.seeds import completion_seeds
-from utils.core.video import budget_from_config, check_config_video_flags, row_clips, video_flag, videos_of
+from utils.core.tool_formats import tool_format
+from utils.core.tool_rollout import ToolRollout, context_limit, log_turns, tool_metrics
+from utils.core.tools import ToolBox, pixel_budget
+from utils.core.video import budget_from_config, check_config_video_flags, row_clips, video_flag
 from utils.core.vllm_rollout import VLLMRollout, require_vllm
 from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
 from utils.eval.heldout import evaluate_policy, load_eval_set
@@ -114,8 +124,20 @@ class GRPOConfig:
     answer_column: str = "answer"  # column with the ground-truth answer
     steps_column: str = "reference_steps"  # column with the reference reasoning steps (needed by cpr, reasoning, spr)
     choices_column: Optional[str] = None  # column with answer options; none: 'choices', else 'options', row by row
+    prompt_column: Optional[str] = field(default="prompt", metadata={"help": (
+        "column of TRL-style prompts (chat messages with image/video parts, or text), used when the data set has it; "
+        "without it the question/image columns build the prompt (docs/data.md); none: always those columns")})
     prompt_template: str = choice(*PROMPT_TEMPLATES)  # system prompt that asks for the answer format; plain: none
-    system_prompt: Optional[str] = None  # replaces the template's system prompt
+    system_prompt: Optional[str] = None  # replaces the template's system prompt (a prompt column's: added if none)
+    chat_template_path: Optional[str] = field(default=None, metadata={"help": (
+        "a .jinja file or a tokenizer folder whose chat template replaces the model's (TRL's flag), e.g. one with a "
+        "tool format; none: the model's own")})
+    # tools (docs/tools.md)
+    tools: list[str] = field(default_factory=list, metadata={"help": (
+        "functions the policy may call while it answers: crop_image, zoom_image, rotate_image or module:function "
+        "(TRL's tools); none: single-turn rollouts")})
+    max_tool_calling_iterations: Optional[int] = None  # most rounds of tool calls per completion (TRL's); none: budget
+    tool_timeout: float = 10.0  # seconds a tool call may run before the model is told it timed out
     # rewards
     reward_funcs: list[str] = field(default_factory=lambda: ["format", "accuracy"], metadata={
         "help": "reward names, module:function paths, or reward models (a sequence classifier's folder or hub id)"})
@@ -322,6 +344,23 @@ def validate(cfg, num_processes, distributed_type="NO"):
                           "drop one")
     if cfg.use_vllm:
         require_vllm()
+    validate_tools(cfg)
+
+
+def validate_tools(cfg):
+    """The tool flags: the bounds, and what the tool rollout does not combine with."""
+    if not cfg.tools:
+        if cfg.max_tool_calling_iterations is not None or cfg.tool_timeout != GRPOConfig.tool_timeout:
+            raise ConfigError("--max_tool_calling_iterations and --tool_timeout apply to --tools, which is empty")
+        return
+    if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 0:
+        raise ConfigError(f"--max_tool_calling_iterations {cfg.max_tool_calling_iterations} must be >= 0 or none")
+    if not cfg.tool_timeout > 0:
+        raise ConfigError(f"--tool_timeout {cfg.tool_timeout} must be > 0")
+    if cfg.dynamic_sampling:
+        raise ConfigError("--dynamic_sampling rebuilds micro-batches from token ids alone, and --tools trajectories "
+                          "carry tool images and masks: drop one")
+    ToolBox(cfg.tools, timeout=cfg.tool_timeout)  # each tool imports and has a schema
 
 def build_rewards(cfg, columns):
     """The reward functions of --reward_funcs, each checked against TRL's call on these data set columns."""
@@ -386,7 +425,14 @@ class MicroBatch(Record):
     completion_mask: torch.Tensor  # [B, L] 1 on sampled tokens
     texts: list  # the decoded completions
     token_ids: list  # each completion's tokens, unpadded
+    completions: list  # TRL's completions for the rewards: [assistant message], or a tool trajectory's messages
     sampler_logps: Optional[torch.Tensor] = None  # [B, L] vLLM's log-prob of each sampled token; None: HF rollout
+    # --tools (utils/core/tool_rollout.py): the completions are trajectories of model and tool tokens
+    model_mask: Optional[torch.Tensor] = None  # [B, L] 1 on the model's own tokens; None: every token is
+    completion_inputs: Optional[dict] = None  # the tool tokens' side inputs and images; None: no tool image
+    tool_stats: Optional[dict] = None  # per completion: tool_calls, tool_errors, tool_timeouts, turns, tool_tokens
+    tool_images: Optional[list] = None  # per completion, the images its tools returned
+    tool_truncated: Optional[torch.Tensor] = None  # [B] cut by the budget or the context limit
     # scored: `score_micro_batch`
     rewards: Optional[torch.Tensor] = None  # [completions of every process, reward functions]; NaN: not scored
     extra: dict = field(default_factory=dict)  # the columns the rewards logged for these completions
@@ -401,6 +447,21 @@ class MicroBatch(Record):
     # fixed for the round: `add_fixed_logprobs`
     old_logps: Optional[torch.Tensor] = None  # [B, L] the behaviour policy's (--num_iterations > 1); None: detached
     ref_logps: Optional[torch.Tensor] = None  # [B, L] the reference model's (--beta != 0)
+    # the first pass's log-probs, detached (--log_completions writes them beside the trajectories)
+    policy_logps: Optional[torch.Tensor] = None
+
+    def policy_inputs(self):
+        """What a log-prob pass takes besides the prompts and completions: the shared-prompt index, and for tool
+        trajectories the tool images and the tokens to score (the model's)."""
+        if self.model_mask is None:
+            return {"prompt_index": self.prompt_index}
+        return {"prompt_index": self.prompt_index, "completion_inputs": self.completion_inputs,
+                "label_mask": self.completion_mask * self.model_mask}
+
+    @property
+    def sampled_mask(self):
+        """[B, L] the tokens the policy sampled: the completion's, less a trajectory's tool tokens."""
+        return self.completion_mask if self.model_mask is None else self.completion_mask * self.model_mask
 
 
 @dataclass
@@ -419,6 +480,7 @@ class Rollouts:
     suppress_ids: list
     vllm: Optional[VLLMRollout] = None  # --use_vllm's engine
     compiled: Optional[CompiledRollout] = None  # --cache_implementation static's decode step
+    tools: Optional[ToolRollout] = None  # --tools: the multi-turn loop (utils/core/tool_rollout.py)
 
 
 @dataclass
@@ -449,11 +511,18 @@ def main(cfg: GRPOConfig):
     # ---- data and rewards (validated before any model is loaded) ----
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
     needs_steps = any(name in ("cpr", "reasoning", "spr") for name in cfg.reward_funcs)
-    dataset = load_vqa(dataset_path, split=cfg.dataset_split, image_column=cfg.image_column,
-                       question_column=cfg.question_column, answer_column=cfg.answer_column,
-                       steps_column=cfg.steps_column, choices_column=cfg.choices_column, require_steps=needs_steps,
-                       video_column=cfg.video_column)
-    reward_fns = build_rewards(cfg, dataset.column_names)
+    # TRL's prompt column when the data set has one, else the question/image columns (utils/core/conversations.py)
+    dataset = load_prompt_set(dataset_path, split=cfg.dataset_split, prompt_column=cfg.prompt_column,
+                              image_column=cfg.image_column, video_column=cfg.video_column,
+                              question_column=cfg.question_column, answer_column=cfg.answer_column,
+                              steps_column=cfg.steps_column, choices_column=cfg.choices_column,
+                              require_steps=needs_steps)
+    toolbox = ToolBox(cfg.tools, timeout=cfg.tool_timeout) if cfg.tools else None  # schemas checked here
+    if toolbox and "videos" in dataset.column_names:
+        raise ConfigError("--tools rolls out image and text prompts; this data set has videos")
+    # rewards get every column but the prompt, as TRL passes them, and tool_calls with --tools
+    reward_fns = build_rewards(cfg, reward_columns(dataset.column_names, cfg.prompt_column)
+                               + (["tool_calls"] if toolbox else []))
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
     eval_set = load_eval_set(cfg, accelerator)
 
@@ -463,6 +532,7 @@ def main(cfg: GRPOConfig):
                                                 freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
                                                 min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
     tokenizer = getattr(processor, "tokenizer", processor)
+    set_chat_template(processor, cfg.chat_template_path)
     check_no_logits_shaping(model)  # before any compute: a sampler the log-probs cannot score
     model = prepare_for_training(model, cfg)
     if cfg.disable_dropout:
@@ -470,6 +540,13 @@ def main(cfg: GRPOConfig):
 
     stop_ids = stop_token_ids(model, tokenizer)  # the same rule as evaluation and vLLM
     suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
+    tools = None
+    if toolbox:  # the family's tool-call format from its chat template, or a refusal that says why
+        toolbox.max_pixels = pixel_budget(processor)
+        fmt = tool_format(processor, [tokenizer.decode([i]) for i in stop_ids], model_name=model_path)
+        tools = ToolRollout(processor, toolbox, fmt, stop_ids=stop_ids, max_completion_length=cfg.max_completion_length,
+                            max_iterations=cfg.max_tool_calling_iterations, context_limit=context_limit(model, cfg),
+                            model_type=model.config.model_type)
     padding_free = resolve_padding_free(cfg.padding_free, model, accelerator.print)
     policy = CompletionLogProbs(model, padding_free=padding_free)
     rounds_per_epoch = math.ceil(len(dataset) / (layout.prompts_per_micro * layout.GA))
@@ -496,7 +573,7 @@ def main(cfg: GRPOConfig):
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
     ro = Rollouts(cfg=cfg, accelerator=accelerator, layout=layout, policy=policy, processor=processor,
                   dataset=dataset, reward_fns=reward_fns, reward_weights=reward_weights, stop_ids=stop_ids,
-                  suppress_ids=suppress_ids, vllm=vllm, compiled=compiled)
+                  suppress_ids=suppress_ids, vllm=vllm, compiled=compiled, tools=tools)
 
     # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
     state, _ = resume_run(accelerator, cfg)
@@ -515,7 +592,7 @@ def main(cfg: GRPOConfig):
     heldout_before = state.get("heldout_before")
     if eval_set is not None and cfg.eval_before and global_step == 0:
         heldout_before = evaluate_policy(policy, processor, eval_set, cfg, accelerator,
-                                         prompt_template=cfg.prompt_template)
+                                         prompt_template=cfg.prompt_template, tools=tools)
         accelerator.print(f"held-out accuracy before GRPO: {heldout_before['accuracy']:.3f} "
                           f"({heldout_before['samples']} questions)")
     train_start = time.perf_counter()
@@ -565,7 +642,8 @@ def main(cfg: GRPOConfig):
 
     summary = train_summary(global_step, train_start, logger)
     if eval_set is not None:
-        after = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template)
+        after = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template,
+                                tools=tools)
         logger.log(global_step, {f"heldout_{k}": v for k, v in after.items()})
         summary.update({f"heldout_{k}_after": v for k, v in after.items()})
         if heldout_before:
@@ -629,10 +707,10 @@ def score_micro_batch(ro, mb, *, trainer_state, reward_log, timings):
     of all processes gathered so that every process sees whole groups. The rewards' logged columns go to
     `reward_log` (and the micro-batch's share of them to mb.extra)."""
     with timed(timings, "rewards"):
-        columns = {c: [r[c] for r in mb.rows] for c in ro.dataset.column_names}
+        columns = reward_inputs(ro, mb)
         before = {column: len(values) for column, values in reward_log.extra.items()}
         local_rewards = call_rewards(ro.reward_fns, ro.cfg.reward_funcs, prompts=mb.messages,
-                                     completions=as_conversation(mb.texts), completion_ids=mb.token_ids,
+                                     completions=mb.completions, completion_ids=mb.token_ids,
                                      columns=columns, trainer_state=trainer_state, log=reward_log)
         mb.extra = {k: v[before.get(k, 0):] for k, v in reward_log.extra.items()}
         mb.rewards = ro.accelerator.gather(local_rewards.to(ro.accelerator.device)).cpu()
@@ -653,9 +731,12 @@ def add_advantages(ro, mb):
     else:
         mb.all_advantages = group_advantages(mb.rewards, L.G, weights=ro.reward_weights, scale=cfg.scale_rewards)
     mb.advantages = mb.all_advantages[L.local].to(ro.accelerator.device)
-    mb.truncated = truncated_completions(mb.completion_ids, mb.completion_mask, ro.stop_ids)
-    mb.loss_mask = (mb.completion_mask * ~mb.truncated[:, None] if cfg.mask_truncated_completions
-                    else mb.completion_mask)
+    # a tool trajectory also ends truncated when a tool's results do not fit (utils/core/tool_rollout.py)
+    mb.truncated = (mb.tool_truncated if mb.tool_truncated is not None
+                    else truncated_completions(mb.completion_ids, mb.completion_mask, ro.stop_ids))
+    # the loss and the KL see the model's own tokens only; a trajectory's tool tokens stay in the context
+    mb.loss_mask = (mb.sampled_mask * ~mb.truncated[:, None] if cfg.mask_truncated_completions
+                    else mb.sampled_mask)
 
 
 @torch.no_grad()
@@ -663,8 +744,8 @@ def add_fixed_logprobs(mb, policy, ref_policy, cfg):
     """Phase 4: the log-probs that stay fixed while the round trains: the behaviour policy's (only when
     --num_iterations > 1; on the first pass they equal the policy's own, detached) and the reference's (--beta)."""
     args = (mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature)
-    mb.old_logps = policy(*args, prompt_index=mb.prompt_index) if cfg.num_iterations > 1 else None
-    mb.ref_logps = ref_policy(*args, prompt_index=mb.prompt_index) if ref_policy else None
+    mb.old_logps = policy(*args, **mb.policy_inputs()) if cfg.num_iterations > 1 else None
+    mb.ref_logps = ref_policy(*args, **mb.policy_inputs()) if ref_policy else None
 
 
 def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divisor, step, timings):
@@ -681,16 +762,18 @@ def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divis
             forward = accelerator.unwrap_model(policy) if pcgrad else policy
             # the entropy comes from the same fused head pass (no extra vocabulary pass)
             logps, entropy = forward(mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature,
-                                     return_entropy=True, prompt_index=mb.prompt_index)
+                                     return_entropy=True, **mb.policy_inputs())
             old = mb.old_logps if mb.old_logps is not None else logps.detach()
+            if mb.policy_logps is None:
+                mb.policy_logps = logps.detach()
             # vLLM sampled with its own kernels: truncated importance weights pi_old / pi_vllm per token
             is_weights = None
             if mb.sampler_logps is not None:
                 if cfg.vllm_importance_sampling_correction:
-                    is_weights = importance_weights(old, mb.sampler_logps, mb.completion_mask,
+                    is_weights = importance_weights(old, mb.sampler_logps, mb.sampled_mask,
                                                     mode=cfg.vllm_importance_sampling_mode,
                                                     cap=cfg.vllm_importance_sampling_cap)
-                vllm_stats.append(mismatch_stats(old, mb.sampler_logps, mb.completion_mask, is_weights))
+                vllm_stats.append(mismatch_stats(old, mb.sampler_logps, mb.sampled_mask, is_weights))
             loss_kw = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, ref_logps=mb.ref_logps,
                            loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
                            max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
@@ -750,7 +833,7 @@ def step_metrics(ro, batches, result):
     def mean_over_steps(key):
         return accelerator.reduce(sum(s[key] for s in step_stats) / len(step_stats), "mean").item()
 
-    lengths = torch.cat([accelerator.gather(mb.completion_mask.sum(-1)).float().cpu() for mb in batches])
+    lengths = torch.cat([accelerator.gather(mb.sampled_mask.sum(-1)).float().cpu() for mb in batches])
     cut = torch.cat([accelerator.gather(mb.truncated).float().cpu() for mb in batches])
     metrics = {
         "loss": accelerator.reduce(result.loss, "mean").item(),
@@ -770,6 +853,8 @@ def step_metrics(ro, batches, result):
     for j, name in enumerate(ro.cfg.reward_funcs):
         values = rewards[:, j][~rewards[:, j].isnan()]
         metrics[f"rewards/{name}"] = values.mean().item() if len(values) else float("nan")
+    if ro.tools is not None:  # tools/call_frequency and tools/failure_frequency are TRL's names
+        metrics.update(tool_metrics([mb.tool_stats for mb in batches], gather_object))
     return metrics
 
 
@@ -784,17 +869,25 @@ def log_step_completions(ro, logger, step, batches):
     """Every completion of the step (all processes) to completions.jsonl, as TRL's completions table; a few to
     the console (--num_completions_to_print)."""
     cfg, accelerator, rows = ro.cfg, ro.accelerator, []
-    for mb in batches:
+    for mb_index, mb in enumerate(batches):
         n = len(mb.ids)
         mine = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
         rewards = mb.rewards[mine]
         weighted = weighted_rewards(rewards, ro.reward_weights).tolist()
-        for k, (sid, messages, text) in enumerate(zip(mb.ids, mb.messages, mb.texts)):
-            row = dict(id=sid, prompt=messages[-1]["content"][-1]["text"], completion=text,
+        for k, (sid, r, text) in enumerate(zip(mb.ids, mb.rows, mb.texts)):
+            row = dict(id=sid, prompt=prompt_question(r, prompt_column=cfg.prompt_column), completion=text,
                        reward=None if math.isnan(weighted[k]) else weighted[k],
                        advantage=mb.all_advantages[mine][k].tolist(),
                        rewards={name: None if math.isnan(v) else v
                                 for name, v in zip(cfg.reward_funcs, rewards[k].tolist())})
+            if mb.model_mask is not None:  # the turns (tool images saved beside completions.jsonl) and the tokens
+                n = int(mb.completion_mask[k].sum())
+                row.update({key: values[k] for key, values in mb.tool_stats.items()},
+                           turns=log_turns(mb.completions[k], cfg.output_dir, step,
+                                           f"{sid}-{mb_index}-{accelerator.process_index}-{k}"),
+                           token_ids=mb.completion_ids[k, :n].tolist(), model_mask=mb.model_mask[k, :n].tolist(),
+                           logps=[round(v, 6) for v in mb.policy_logps[k, :n].tolist()],
+                           truncated=bool(mb.truncated[k]))
             row.update({column: values[k] for column, values in mb.extra.items() if k < len(values)})
             rows.append(row)
     if accelerator.num_processes > 1:
@@ -811,20 +904,22 @@ def encode_rows(ro, rows, *, keys, sample_ids):
     in training: `prompt_batch` then has one row per prompt and `prompt_index` maps completions to prompts
     (None otherwise)."""
     cfg, accelerator = ro.cfg, ro.accelerator
-    messages = [build_messages(r["question"], num_images=len(images_of(r)), choices=r.get("choices"),
-                               template=cfg.prompt_template, system_prompt=cfg.system_prompt,
-                               num_videos=len(videos_of(r))) for r in rows]
+    # TRL's prompt column, or the question/image columns through --prompt_template (utils/core/conversations.py)
+    messages = [prompt_messages(r, prompt_column=cfg.prompt_column, prompt_template=cfg.prompt_template,
+                                system_prompt=cfg.system_prompt) for r in rows]
+    images = [prompt_images(r, cfg.prompt_column) for r in rows]
     unique = sorted(set(keys), key=keys.index)
     first = [keys.index(k) for k in unique]
     clips = row_clips(ro.processor, rows, cfg)
-    if can_share_prompts(accelerator.unwrap_model(ro.policy).model, [len(images_of(rows[j])) for j in first],
+    if can_share_prompts(accelerator.unwrap_model(ro.policy).model, [len(images[j]) for j in first],
                          [len(clips[j]) for j in first]):
         prompt_index = torch.tensor([unique.index(k) for k in keys], device=accelerator.device)
     else:
         prompt_index, first = None, list(range(len(rows)))
-    prompt_batch = encode_prompts(ro.processor, [messages[j] for j in first], [images_of(rows[j]) for j in first],
+    prompt_batch = encode_prompts(ro.processor, [messages[j] for j in first], [images[j] for j in first],
                                   sample_ids=[sample_ids[j] for j in first], max_prompt_length=cfg.max_prompt_length,
-                                  videos=[clips[j] for j in first]).to(accelerator.device)
+                                  videos=[clips[j] for j in first],
+                                  tools=ro.tools.toolbox.schemas if ro.tools else None).to(accelerator.device)
     return messages, prompt_batch, prompt_index
 
 
@@ -838,7 +933,8 @@ def rollout(ro, rows, *, keys, sample_ids, seeds, step=0, prompt_rows=()):
     sampler_logps = None
     if ro.vllm is not None:  # the same prompt ids (shared rows too); vLLM's log-probs of the sampled tokens come back
         completion_ids, completion_mask, sampler_logps = ro.vllm.generate(
-            ro.policy, processor, messages, [images_of(r) for r in rows], seeds, step=step, stop_ids=ro.stop_ids,
+            ro.policy, processor, messages, [prompt_images(r, cfg.prompt_column) for r in rows], seeds, step=step,
+            stop_ids=ro.stop_ids,
             suppress_ids=ro.suppress_ids, prompt_batch=prompt_batch, prompt_index=prompt_index, return_logprobs=True,
             videos=row_clips(processor, rows, cfg))
     else:
@@ -848,13 +944,49 @@ def rollout(ro, rows, *, keys, sample_ids, seeds, step=0, prompt_rows=()):
                 unwrapped.model, prompt_batch, row_seeds=seeds, max_new_tokens=cfg.max_completion_length,
                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=ro.stop_ids,
                 pad_token_id=tokenizer.pad_token_id, suppress_token_ids=ro.suppress_ids, prompt_index=prompt_index)
+    tool_fields = {}
+    if ro.tools is not None:  # go on past the first turn: tool calls, tool results, the model's next turns
+        trajectories = tool_trajectories(ro, rows, keys, sample_ids, seeds, step,
+                                         (completion_ids, completion_mask, sampler_logps))
+        completion_ids, completion_mask = trajectories.completion_ids, trajectories.completion_mask
+        sampler_logps = trajectories.sampler_logps
+        tool_fields = dict(model_mask=trajectories.model_mask, completion_inputs=trajectories.completion_inputs,
+                           tool_images=trajectories.tool_images, tool_truncated=trajectories.truncated,
+                           tool_stats={k: getattr(trajectories, k) for k in ("tool_calls", "tool_errors",
+                                                                             "tool_timeouts", "turns", "tool_tokens")})
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     token_ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
+    completions = trajectories.completions if ro.tools is not None else as_conversation(texts)
     return MicroBatch(prompt_rows=list(prompt_rows), rows=rows, indices=list(keys), ids=list(sample_ids),
                       messages=messages, prompt_batch=prompt_batch, prompt_index=prompt_index,
                       completion_ids=completion_ids, completion_mask=completion_mask, texts=texts, token_ids=token_ids,
-                      sampler_logps=sampler_logps)
+                      completions=completions, sampler_logps=sampler_logps, **tool_fields)
+
+
+def tool_trajectories(ro, rows, keys, sample_ids, seeds, step, first):
+    """--tools: the trajectories that go on from the first turns `first` (utils/core/tool_rollout.py), each later
+    turn sampled by the same engine (HF generate or vLLM) from the conversation so far."""
+    cfg, accelerator = ro.cfg, ro.accelerator
+    tokenizer = getattr(ro.processor, "tokenizer", ro.processor)
+    messages = [prompt_messages(r, prompt_column=cfg.prompt_column, prompt_template=cfg.prompt_template,
+                                system_prompt=cfg.system_prompt) for r in rows]
+    images = [prompt_images(r, cfg.prompt_column) for r in rows]
+
+    def generate(batch, segment_seeds, max_new_tokens, context_images):
+        if ro.vllm is not None:  # the context's ids and its images, as the first turn's prompt
+            return ro.vllm.generate(ro.policy, ro.processor, None, context_images, segment_seeds, step=step,
+                                    stop_ids=ro.stop_ids, suppress_ids=ro.suppress_ids, prompt_batch=batch,
+                                    return_logprobs=True)
+        with unwrap_for_generation(ro.policy, accelerator) as unwrapped:
+            ids, mask = generate_completions(
+                unwrapped.model, batch, row_seeds=segment_seeds, max_new_tokens=max_new_tokens,
+                temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=ro.stop_ids,
+                pad_token_id=tokenizer.pad_token_id, suppress_token_ids=ro.suppress_ids)
+        return ids, mask, None
+
+    return ro.tools.run(messages, images, sample_ids, seeds, first, generate, pad_token_id=tokenizer.pad_token_id,
+                        device=accelerator.device, tools=ro.tools.toolbox.schemas, keys=list(keys))
 
 
 def rebuild_micro_batch(ro, groups):
@@ -887,7 +1019,17 @@ def rebuild_micro_batch(ro, groups):
                       prompt_batch=prompt_batch, prompt_index=prompt_index,
                       completion_ids=completion_ids.to(accelerator.device),
                       completion_mask=completion_mask.to(accelerator.device), texts=texts, token_ids=token_ids,
-                      sampler_logps=sampler_logps, rewards=torch.cat([g["rewards"] for g in groups]))
+                      completions=as_conversation(texts), sampler_logps=sampler_logps,
+                      rewards=torch.cat([g["rewards"] for g in groups]))
+
+
+def reward_inputs(ro, mb):
+    """The keywords a reward gets besides TRL's own: every data set column but the prompt (one entry per completion),
+    and with --tools each trajectory's count of tool calls."""
+    columns = {c: [r[c] for r in mb.rows] for c in reward_columns(ro.dataset.column_names, ro.cfg.prompt_column)}
+    if mb.tool_stats is not None:
+        columns["tool_calls"] = list(mb.tool_stats["tool_calls"])
+    return columns
 
 
 def pcgrad_losses(pcgrad, logps, old, mb, reward_weights, cfg, scale, **loss_kw):
@@ -938,9 +1080,8 @@ def difficulty_levels(ro):
         rows = [dataset[i] for i in keys]
         out = rollout(hf, rows, keys=keys, sample_ids=[r["id"] for r in rows],
                       seeds=completion_seeds(cfg.seed, -1, [i * k + j for i in idx for j in range(k)]))
-        scores = call_rewards([judge], [name], prompts=out.messages, completions=as_conversation(out.texts),
-                              completion_ids=out.token_ids,
-                              columns={c: [r[c] for r in rows] for c in dataset.column_names},
+        scores = call_rewards([judge], [name], prompts=out.messages, completions=out.completions,
+                              completion_ids=out.token_ids, columns=reward_inputs(ro, out),
                               trainer_state=TrainerState(global_step=0))[:, 0]
         for n, i in enumerate(idx):
             errors[i] = 1.0 - float((scores[n * k:(n + 1) * k] >= 1.0).sum()) / k

@@ -36,6 +36,8 @@ _BUILTIN = {
     "judge_geneval_plus": "rewards.judge:judge_geneval_plus_reward",
     "judge_tiif": "rewards.judge:judge_tiif_reward",
     "shapes_t2i": "rewards.t2i:shapes_t2i_reward",
+    "tool_format": "rewards.tools:tool_format_reward",
+    "tool_budget": "rewards.tools:tool_budget_reward",
     "pickscore": "rewards.clip:pickscore_reward",
     "clipscore": "rewards.clip:clipscore_reward",
     "aesthetic": "rewards.clip:aesthetic_reward",

@@ -105,7 +105,7 @@ def _run_rows(loop, processor, toolbox, prompt, scripts, **kwargs):
     prompt_len = len(encode_prompts(processor, [prompt], [[_image()]], sample_ids=["p"],
                                     tools=toolbox.schemas)["input_ids"][0])
 
-    def generate(batch, seeds, room):
+    def generate(batch, seeds, room, images):
         rows = []
         for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
             seq = ids[mask.bool()].tolist()[prompt_len:]
@@ -142,7 +142,7 @@ def test_a_later_segment_is_sampled_from_exactly_the_conversation_so_far(family_
     stops = stop_token_ids(model, tokenizer)
     seen = {}
 
-    def generate(batch, seeds, room):
+    def generate(batch, seeds, room, images):
         ids, mask = generate_completions(model, batch, row_seeds=seeds, max_new_tokens=12, temperature=1.0,
                                          eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
         seen.update(batch=batch, ids=ids, mask=mask)

@@ -212,3 +212,22 @@ def test_rotate_keeps_the_whole_image():
     with pytest.raises(ValueError, match="degrees"):
         rotate_image(720, images=[image])
     assert fit_pixels(Image.new("RGB", (200, 100)), 5000).size == (100, 50)
+
+
+# ---- the tool rewards ----
+
+
+def test_tool_rewards_read_the_trajectory_and_the_call_counts():
+    from rewards import get_reward
+    from utils.core.reward_calls import check_reward_call
+
+    ok = [{"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
+          {"role": "tool", "content": [{"type": "image"}]}, {"role": "assistant", "content": "<answer>3</answer>"}]
+    failed = ok[:1] + [{"role": "tool", "content": [{"type": "text", "text": '{"error": "boom"}'}]}] + ok[2:]
+    plain = [{"role": "assistant", "content": "<answer>3</answer>"}]
+    assert get_reward("tool_format")([ok, failed, plain]) == [1.0, 0.0, None]
+    budget = get_reward("tool_budget", max_calls=1, penalty=0.25)
+    assert budget([ok, ok, plain], tool_calls=[1, 3, 0]) == [0.0, -0.5, 0.0]
+    check_reward_call(budget, "tool_budget", ["answer", "tool_calls"])
+    with pytest.raises(ConfigError, match="needs 'tool_calls'"):
+        check_reward_call(budget, "tool_budget", ["answer"])  # a run without --tools passes no counts

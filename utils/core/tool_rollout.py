@@ -123,8 +123,9 @@ def context_batch(rows, pad_token_id, device):
 
 class ToolRollout:
     """The tool loop of one run: the tools, the family's format and the budgets. `generate(batch, seeds,
-    max_new_tokens)` samples one segment per row of a `context_batch` and returns (ids [B, L], mask [B, L],
-    sampler log-probs [B, L] or None)."""
+    max_new_tokens, images)` samples one segment per row of a `context_batch` (`images`: each row's images so far,
+    for an engine that takes them apart from the ids) and returns (ids [B, L], mask [B, L], sampler log-probs
+    [B, L] or None)."""
 
     def __init__(self, processor, toolbox, fmt, *, stop_ids, max_completion_length, max_iterations=None,
                  context_limit=None, model_type=None):
@@ -253,7 +254,7 @@ class ToolRollout:
             room = max(self.max_completion_length - len(rows[k].ids) for k in active)
             batch = context_batch([rows[k] for k in active], pad_token_id, device)
             seg_ids, seg_mask, seg_logps = generate(batch, segment_seeds(torch.as_tensor(seeds)[active], iteration),
-                                                    room)
+                                                    room, [rows[k].prompt_images + rows[k].tool_images for k in active])
             for j, k in enumerate(active):
                 n = int(seg_mask[j].sum())
                 self._take_segment(rows[k], seg_ids[j, :n].tolist(),
@@ -292,3 +293,52 @@ class ToolRollout:
             tool_tokens=[r.tool_tokens for r in rows],
             truncated=torch.tensor([r.truncated for r in rows], device=device))
 
+
+
+def context_limit(model, cfg=None):
+    """The longest prompt + trajectory the run may build: vLLM's context window when it generates, else the model's
+    position limit (None: none known)."""
+    if cfg is not None and getattr(cfg, "use_vllm", False) and getattr(cfg, "vllm_max_model_len", None):
+        return cfg.vllm_max_model_len
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
+STATS = ("tool_calls", "tool_errors", "tool_timeouts", "turns", "tool_tokens")
+
+
+def tool_metrics(stats, gather=None):
+    """A step's tool metrics over its micro-batches' per-trajectory counts (every process's with `gather`, which
+    takes a list and returns every process's lists concatenated): TRL's tools/call_frequency (calls per trajectory)
+    and tools/failure_frequency (failed calls per call), and tools/timeouts, tools/turns, tools/tool_tokens (per
+    trajectory)."""
+    values = {k: [v for s in stats for v in s[k]] for k in STATS}
+    if gather is not None:
+        values = {k: list(gather(v)) for k, v in values.items()}
+    n, calls = max(len(values["turns"]), 1), sum(values["tool_calls"])
+    return {"tools/call_frequency": calls / n,
+            "tools/failure_frequency": sum(values["tool_errors"]) / calls if calls else 0.0,
+            "tools/timeouts": sum(values["tool_timeouts"]) / n, "tools/turns": sum(values["turns"]) / n,
+            "tools/tool_tokens": sum(values["tool_tokens"]) / n}
+
+
+def log_turns(messages, output_dir, step, name):
+    """A trajectory's messages for completions.jsonl: each tool image saved as
+    <output_dir>/completions/step-<step>/<name>-<k>.png and written as its relative path."""
+    import os
+
+    out, k = [], 0
+    for message in messages:
+        message = dict(message)
+        if isinstance(message.get("content"), list):
+            parts = []
+            for part in message["content"]:
+                if part.get("type") == "image" and part.get("image") is not None:
+                    rel = os.path.join("completions", f"step-{step}", f"{name}-{k}.png")
+                    os.makedirs(os.path.join(output_dir, os.path.dirname(rel)), exist_ok=True)
+                    part["image"].save(os.path.join(output_dir, rel))
+                    part, k = {"type": "image", "image": rel}, k + 1
+                parts.append(part)
+            message["content"] = parts
+        out.append(message)
+    return out

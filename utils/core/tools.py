@@ -160,3 +160,16 @@ class ToolBox:
             return failed(outcome["error"])
         parts, images = _as_parts(outcome.get("value"))
         return ToolResult(name, parts or [{"type": "text", "text": ""}], images)
+
+
+def pixel_budget(processor):
+    """The processor's most pixels per image (Qwen-style `size["longest_edge"]`, else height x width), None when it
+    has no fixed budget."""
+    image_processor = getattr(processor, "image_processor", None)
+    size = dict(getattr(image_processor, "size", None) or {})
+    if size.get("longest_edge") and size.get("shortest_edge") is not None and getattr(
+            image_processor, "merge_size", None):
+        return int(size["longest_edge"])
+    if size.get("height") and size.get("width"):
+        return int(size["height"]) * int(size["width"])
+    return None

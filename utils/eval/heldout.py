@@ -11,27 +11,29 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from utils.core.data import images_of, render_question
+from utils.core.conversations import prompt_images, prompt_messages, prompt_question
 from utils.core.encoding import encode_prompts
-from utils.core.prompts import build_messages
 from utils.core.rollout import generate_completions, stop_token_ids
 from utils.core.seeds import completion_seeds
 from utils.core.video import budget_for, load_clips, videos_of
 from utils.eval.grading import AnswerGrader, group_means, parse_completion, reasoning_states_answer
 
 
-def row_messages(row, *, prompt_template, system_prompt=None):
-    """Chat messages of a VQA row as the train scripts build them."""
-    return build_messages(row["question"], num_images=len(images_of(row)), choices=row.get("choices"),
-                          template=prompt_template, system_prompt=system_prompt, num_videos=len(videos_of(row)))
+def row_messages(row, *, prompt_template, system_prompt=None, prompt_column="prompt"):
+    """A row's prompt as the train scripts build it: TRL's prompt column, or the VQA columns through the template
+    (utils.core.conversations.prompt_messages)."""
+    return prompt_messages(row, prompt_column=prompt_column, prompt_template=prompt_template,
+                           system_prompt=system_prompt)
 
 
 @torch.no_grad()
 def generate_answers(model, processor, rows, *, prompt_template, system_prompt=None, batch_size=32,
                      max_new_tokens=256, temperature=0.0, seed=0, max_prompt_length=None, accelerator=None,
-                     video_budget=None):
-    """Completions (text) for `rows` (dicts with question, image, choices, id, videos), in row order. Videos are
-    sampled under `video_budget` (utils.core.video; none: the model's video processor defaults), as in training.
+                     video_budget=None, prompt_column="prompt", tools=None):
+    """Completions (text) for `rows` (dicts with question, image, choices, id, videos, or TRL's prompt), in row
+    order. Videos are sampled under `video_budget` (utils.core.video; none: the model's video processor defaults),
+    as in training. With `tools` (a `utils.core.tool_rollout.ToolRollout`) each row runs the tool loop, and its
+    text is its assistant turns' (the final answer after the tool calls).
 
     With an `accelerator`, each process generates rows rank::world and the texts are gathered, so every
     process returns all of them (the model must be the plain HF model, see utils.core.zero3.unwrap_for_generation).
@@ -50,16 +52,32 @@ def generate_answers(model, processor, rows, *, prompt_template, system_prompt=N
         indices = mine[start : start + batch_size]
         batch_rows = [rows[i] for i in indices]
         ids = [str(r.get("id", i)) for r, i in zip(batch_rows, indices)]
-        messages = [row_messages(r, prompt_template=prompt_template, system_prompt=system_prompt) for r in batch_rows]
+        messages = [row_messages(r, prompt_template=prompt_template, system_prompt=system_prompt,
+                                 prompt_column=prompt_column) for r in batch_rows]
+        images = [prompt_images(r, prompt_column) for r in batch_rows]
         videos = [videos_of(r) for r in batch_rows]
         clips = load_clips(videos, video_budget or budget_for(processor)) if any(videos) else None
-        batch = encode_prompts(processor, messages, [images_of(r) for r in batch_rows], sample_ids=ids,
-                               max_prompt_length=max_prompt_length, videos=clips).to(device)
-        completion, mask = generate_completions(
-            model, batch, row_seeds=completion_seeds(seed, 0, indices), max_new_tokens=max_new_tokens,
-            temperature=temperature, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-        texts += tokenizer.batch_decode(completion.masked_fill(mask == 0, tokenizer.pad_token_id),
-                                        skip_special_tokens=True)
+        schemas = tools.toolbox.schemas if tools is not None else None
+        batch = encode_prompts(processor, messages, images, sample_ids=ids, max_prompt_length=max_prompt_length,
+                               videos=clips, tools=schemas).to(device)
+        seeds = completion_seeds(seed, 0, indices)
+
+        def generate(inputs, row_seeds, max_new, *_):
+            ids_, mask_ = generate_completions(model, inputs, row_seeds=row_seeds, max_new_tokens=max_new,
+                                               temperature=temperature, eos_token_id=eos_ids,
+                                               pad_token_id=tokenizer.pad_token_id)
+            return ids_, mask_, None
+
+        completion, mask, _ = generate(batch, seeds, max_new_tokens if tools is None else tools.max_completion_length)
+        if tools is None:
+            texts += tokenizer.batch_decode(completion.masked_fill(mask == 0, tokenizer.pad_token_id),
+                                            skip_special_tokens=True)
+            continue
+        from rewards.common import completion_text
+
+        trajectories = tools.run(messages, images, ids, seeds, (completion, mask, None), generate,
+                                 pad_token_id=tokenizer.pad_token_id, device=device, tools=schemas)
+        texts += [completion_text(c) for c in trajectories.completions]
     model.train(was_training)
     if world == 1:
         return texts
@@ -68,7 +86,8 @@ def generate_answers(model, processor, rows, *, prompt_template, system_prompt=N
 
 
 def generate_answers_remote(base_url, model_name, rows, *, prompt_template, system_prompt=None, max_new_tokens=256,
-                            temperature=0.0, seed=0, api_key=None, timeout=300.0, max_concurrency=8):
+                            temperature=0.0, seed=0, api_key=None, timeout=300.0, max_concurrency=8,
+                            prompt_column="prompt"):
     """Completions from an OpenAI-compatible server (vLLM, SGLang ...): images go as base64 data URLs and
     each row gets seed + its index, so a server that honours `seed` returns the same texts every run."""
     import requests
@@ -83,9 +102,12 @@ def generate_answers_remote(base_url, model_name, rows, *, prompt_template, syst
         if videos_of(row):
             raise ValueError(f"row {row.get('id', index)!r} has videos: evaluate video rows with a local --model "
                              "(the frames a server samples are its own)")
-        messages = []
-        for message in row_messages(row, prompt_template=prompt_template, system_prompt=system_prompt):
-            images = iter(images_of(row))
+        messages, images = [], iter(prompt_images(row, prompt_column))
+        prompt = row_messages(row, prompt_template=prompt_template, system_prompt=system_prompt,
+                              prompt_column=prompt_column)
+        if isinstance(prompt, str):  # a plain-text prompt: the server's chat endpoint takes it as one user turn
+            prompt = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        for message in prompt:
             content = [{"type": "image_url", "image_url": {"url": image_data_url(next(images))}}
                        if item["type"] == "image" else {"type": "text", "text": item["text"]}
                        for item in message["content"]]
@@ -107,7 +129,7 @@ def generate_answers_remote(base_url, model_name, rows, *, prompt_template, syst
 
 def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=32, max_new_tokens=128,
                      system_prompt=None, max_samples=None, accelerator=None, group_by=("difficulty",),
-                     video_budget=None):
+                     video_budget=None, prompt_column="prompt", tools=None):
     """Greedy held-out accuracy of a VQA set: {"accuracy", "format", "samples", "accuracy/<group>=<value>" ...}.
 
     `format` is the fraction of completions with a parsed answer. Used by train_sft.py / train_grpo.py
@@ -116,13 +138,13 @@ def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=3
     rows = [dataset[i] for i in range(min(len(dataset), max_samples or len(dataset)))]
     texts = generate_answers(model, processor, rows, prompt_template=prompt_template, system_prompt=system_prompt,
                              batch_size=batch_size, max_new_tokens=max_new_tokens, accelerator=accelerator,
-                             video_budget=video_budget)
+                             video_budget=video_budget, prompt_column=prompt_column, tools=tools)
     grade = AnswerGrader()
     correct, answered, agrees = [], [], []
     for row, text in zip(rows, texts):
         steps, answer = parse_completion(text, prompt_template=prompt_template)
         answered.append(bool(answer))
-        correct.append(grade(render_question(row["question"], row.get("choices")), answer, row["answer"]))
+        correct.append(grade(prompt_question(row, prompt_column=prompt_column), answer, row["answer"]))
         agrees.append(reasoning_states_answer(steps, answer))
     out = {"accuracy": sum(correct) / max(len(rows), 1), "format": sum(answered) / max(len(rows), 1),
            "samples": len(rows),
@@ -138,16 +160,33 @@ def load_eval_set(cfg, accelerator):
     if not cfg.eval_dataset_name:
         return None
     from tiny.cache import resolve_dataset
-    from utils.core.data import load_vqa
 
     with accelerator.main_process_first():
         path = resolve_dataset(cfg.eval_dataset_name)
-    return load_vqa(path, split=cfg.eval_split, image_column=cfg.image_column, question_column=cfg.question_column,
-                    answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
-                    require_steps=False, video_column=getattr(cfg, "video_column", "video"))
+    return load_graded_set(path, split=cfg.eval_split, prompt_column=getattr(cfg, "prompt_column", None),
+                           image_column=cfg.image_column, question_column=cfg.question_column,
+                           answer_column=cfg.answer_column, steps_column=cfg.steps_column,
+                           choices_column=cfg.choices_column, video_column=getattr(cfg, "video_column", "video"))
 
 
-def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template):
+def load_graded_set(path, *, split, prompt_column, answer_column="answer", **columns):
+    """A held-out set whose answers are graded: TRL's prompt column or the VQA columns
+    (utils.core.conversations.load_prompt_set), the answer as column 'answer' either way."""
+    from utils.core.conversations import load_prompt_set
+    from utils.core.data_checks import require_columns
+    from utils.core.data_sources import Source
+
+    data = load_prompt_set(path, split=split, prompt_column=prompt_column, answer_column=answer_column,
+                           require_steps=columns.pop("require_steps", False), **columns)
+    if prompt_column and prompt_column in data.column_names:
+        require_columns(data, Source(str(path), None), {answer_column: "--answer_column"})
+        if answer_column != "answer":
+            data = data.remove_columns([c for c in ("answer",) if c in data.column_names])
+            data = data.rename_column(answer_column, "answer")
+    return data
+
+
+def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template, tools=None):
     """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes."""
     from utils.core.video import budget_from_config
     from utils.core.zero3 import unwrap_for_generation
@@ -157,4 +196,5 @@ def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_tem
         return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=prompt_template,
                                 system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
                                 max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
-                                accelerator=accelerator, video_budget=budget)
+                                accelerator=accelerator, video_budget=budget,
+                                prompt_column=getattr(cfg, "prompt_column", None), tools=tools)
