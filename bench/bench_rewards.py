@@ -4,6 +4,16 @@
     python bench/bench_rewards.py --spr                 # + SPR (loads the packaged MiniLM)
     python bench/bench_rewards.py --step_seconds 0.3    # + each reward's share of a GRPO step of that length
     python bench/bench_rewards.py --metrics out/metrics.jsonl   # + the measured reward share of a train_grpo run
+    python bench/bench_rewards.py --image               # the image reward models: time and memory per image
+    python bench/bench_rewards.py --overlap             # the tiny text-free job's step time with / without
+                                                        # --overlap_rewards
+
+--image times pickscore, clipscore, aesthetic, hpsv2, imagereward and ocr on --image_count images of --image_size px
+(tiny models built from configs, unless --image_kwargs names real ones, e.g. '{"pickscore": {"model_name_or_path":
+"yuvalkirstain/PickScore_v1", "device": "cuda"}}'): seconds per image (best of --repeats, after one warm-up call),
+the load time, and the memory the model takes (CUDA: peak allocated; CPU: the process's peak RSS growth).
+--overlap runs the tiny Flow-GRPO job (recipes/tiny_flow_grpo.yaml, in this process) for --overlap_steps steps with
+--overlap_reward, with and without --overlap_rewards, and prints the mean step time after the first.
 
 CRYSTAL completions are JSON (70%) or <think> steps (30%) with 4-9 reasoning steps of 12-25 words; math
 completions are a <think> block of 12-20 sentences then an <answer> (integer, fraction, decimal, LaTeX);
@@ -90,7 +100,19 @@ def main(argv=None) -> None:
     parser.add_argument("--metrics", default=None,
                         help="a train_grpo.py metrics.jsonl: print the share of step time its rewards took")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", action="store_true", help="time the image reward models instead")
+    parser.add_argument("--image_count", type=int, default=16)
+    parser.add_argument("--image_size", type=int, default=512)
+    parser.add_argument("--image_kwargs", type=json.loads, default={},
+                        help="JSON {reward: options}: real checkpoints, device, batch_size")
+    parser.add_argument("--overlap", action="store_true", help="the tiny text-free job with / without the overlap")
+    parser.add_argument("--overlap_reward", default="ocr")
+    parser.add_argument("--overlap_steps", type=int, default=6)
     args = parser.parse_args(argv)
+    if args.image:
+        return bench_image_rewards(args)
+    if args.overlap:
+        return bench_overlap(args)
 
     import torch
 
@@ -134,6 +156,91 @@ def main(argv=None) -> None:
 
     if args.metrics:
         print(run_share(args.metrics))
+
+
+IMAGE_PROMPTS = ['a photo of a cat holding a sign that says "hello"', "a red dog on the table", 'a "blue" cat',
+                 'a storefront with "open late" in neon']
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_image_rewards(args) -> None:
+    import tempfile
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from tiny.reward_models import make_tiny_aesthetic, make_tiny_clip, make_tiny_hps, make_tiny_imagereward
+
+    torch.set_num_threads(1)
+    folder = tempfile.mkdtemp(prefix="bench-image-rewards-")
+    make_tiny_clip(os.path.join(folder, "clip"))
+    clip_dir, mlp_dir, *_ = make_tiny_aesthetic(os.path.join(folder, "aesthetic"))
+    hps_config, _ = make_tiny_hps(os.path.join(folder, "hps"))
+    ir_dir, ir_tok, *_ = make_tiny_imagereward(os.path.join(folder, "imagereward"))
+    tiny = {"pickscore": {"model_name_or_path": os.path.join(folder, "clip")},
+            "clipscore": {"model_name_or_path": os.path.join(folder, "clip")},
+            "aesthetic": {"clip_name_or_path": clip_dir, "mlp_name_or_path": mlp_dir},
+            "hpsv2": {"model_name_or_path": os.path.join(folder, "hps"), "architecture": hps_config},
+            "imagereward": {"model_name_or_path": ir_dir, "tokenizer_name_or_path": ir_tok},
+            "ocr": {}}
+    rng = np.random.default_rng(args.seed)
+    images = [Image.fromarray(rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8))
+              for _ in range(args.image_count)]
+    prompts = [IMAGE_PROMPTS[i % len(IMAGE_PROMPTS)] for i in range(args.image_count)]
+    print(f"{args.image_count} images of {args.image_size} px; tiny models unless --image_kwargs names others")
+    print(f"{'reward':<14}{'model':<12}{'load s':>8}{'ms/image':>10}{'images/s':>10}{'memory MB':>11}")
+    for name, options in tiny.items():
+        options = args.image_kwargs.get(name, options)
+        cuda = torch.cuda.is_available() and str(options.get("device", "auto")) != "cpu"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        rss = _peak_rss_mb()
+        start = time.perf_counter()
+        fn = get_reward(name, **options)
+        load = time.perf_counter() - start
+        fn(["x"] * 2, images=images[:2], prompt=prompts[:2])  # warm-up
+        seconds = time_reward(fn, ["x"] * len(images), dict(images=images, prompt=prompts), args.repeats)
+        memory = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - rss
+        kind = "given" if name in args.image_kwargs else "shipped" if name == "ocr" else "tiny"
+        print(f"{name:<14}{kind:<12}{load:>8.2f}{1000 * seconds / len(images):>10.2f}{len(images) / seconds:>10.1f}"
+              f"{memory:>11.0f}")
+
+
+def bench_overlap(args) -> None:
+    import tempfile
+
+    import train_mixgrpo as tm
+    from utils.core.config import parse_config
+    from utils.core.tracking import read_jsonl
+
+    folder = tempfile.mkdtemp(prefix="bench-overlap-")
+    prompts = os.path.join(folder, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("\n".join(IMAGE_PROMPTS) + "\n")
+    times = {}
+    for overlap in (False, True):
+        out = os.path.join(folder, f"overlap-{overlap}")
+        cfg = parse_config(tm.MixGRPOConfig, [
+            "--config", os.path.join(tm.REPO, "recipes", "tiny_flow_grpo.yaml"), "--dataset_name", "prompts",
+            "--train_data_path", prompts, "--val_data_path", "none", "--reward_fn", args.overlap_reward,
+            "--reward_kwargs", "{}", "--max_steps", str(args.overlap_steps), "--save_steps", "1000",
+            "--overlap_rewards", str(overlap).lower(), "--output_dir", out, "--report_to", "none"])
+        tm.main(cfg)
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        steps = [m["step_time"] for m in read_jsonl(os.path.join(out, "metrics.jsonl")) if "step_time" in m]
+        times[overlap] = statistics.mean(steps[1:])
+    print(f"tiny text-free job, reward {args.overlap_reward}, {args.overlap_steps} steps (mean step time after the "
+          f"first): without overlap {times[False]:.3f} s, with --overlap_rewards {times[True]:.3f} s, "
+          f"ratio {times[False] / times[True]:.2f}x")
 
 
 def run_share(metrics_path: str) -> str:

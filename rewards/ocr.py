@@ -13,8 +13,6 @@ ships its models, so it runs offline; Flow-GRPO reads with PaddleOCR itself. A p
 
 from __future__ import annotations
 
-import logging
-
 from rewards.common import RewardFunction, images_column, prompt_texts
 from rewards.models import load_once, require, rgb
 
@@ -43,8 +41,8 @@ class OCRReader:
     def __init__(self, params: dict | None):
         from rapidocr import RapidOCR
 
-        logging.getLogger("RapidOCR").setLevel(logging.WARNING)
-        self.engine = RapidOCR(params=params or None)
+        # RapidOCR keeps lines read with confidence >= 0.5 (Global.text_score), as PaddleOCR's drop_score
+        self.engine = RapidOCR(params={"Global.log_level": "warning", **(params or {})})
 
     def __call__(self, image) -> str:
         import numpy as np

@@ -28,8 +28,10 @@ ZERO3 = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator (gloo)
 GRPO_RECIPES = ["crystal_answer_only", "crystal_cpr", "crystal_phase2", "crystal_spr", "openvlthinker_grpo_medium",
                 "openvlthinker_grpo_hard"]
 R3_RECIPES = ["r3_geneval", "r3_geneval_plus", "r3_tiif"]
+FLOW_RECIPES = ["flow_grpo_sd3_geneval", "flow_grpo_sd3_pickscore", "flow_grpo_sd3_ocr",
+                "flow_grpo_qwenimage_pickscore"]
 SCRIPTS = {**{name: "train_grpo.py" for name in GRPO_RECIPES}, "openvlthinker_sft": "train_sft.py",
-           **{name: "train_mixgrpo.py" for name in R3_RECIPES}}
+           **{name: "train_mixgrpo.py" for name in R3_RECIPES + FLOW_RECIPES}}
 # Each recipe's command (its header comment, the docs) runs it under accelerate_configs/zero3.yaml (R3's docs: at
 # 7B + Qwen-Image); here on 1 process.
 
@@ -171,7 +173,7 @@ def _run(name, out, args):
 
 # One recipe per script kind also resumes (the others only train): resume itself is the same code for every recipe of a
 # script, and each resume is a second launch (about half of a recipe's test time).
-RESUMED = {"crystal_cpr", "openvlthinker_grpo_hard", "openvlthinker_sft", "r3_geneval"}
+RESUMED = {"crystal_cpr", "openvlthinker_grpo_hard", "openvlthinker_sft", "r3_geneval", "flow_grpo_sd3_pickscore"}
 
 
 def _two_steps_then_resume(name, tmp_path, args, keys):
@@ -283,3 +285,48 @@ def test_r3_recipe_trains_and_checkpoints_with_the_text_ratio_at_one(name, asset
     _same_weights(run, resumed, "adapter_model.safetensors")  # the VLM's LoRA
     for part in ("generator_lora", "edit_generator_lora"):  # the generators' LoRA (each written at every save)
         _same_weights(run / part, resumed / part, "pytorch_lora_weights.safetensors")
+
+
+# Flow-GRPO (--text_free): the SD3.5 recipes on a tiny SD3 pipeline, the Qwen-Image one on the tiny Qwen-Image; their
+# rewards: the GenEval loopback server, PickScore on a tiny CLIP folder, the OCR package's shipped models. The SDE
+# window shrinks with the step count (2 of 3 steps; the Qwen-Image recipe's random window in [0, 2]).
+FLOW_SHRUNK = dict(group_size=2, policy_group_size=1, prompts_per_policy_group=1, image_size=32, num_timesteps_gen=3,
+                   sde_window_size=2, generator_lora_r=4, eval_samples=1, eval_num_timesteps=2, report_to="none")
+
+
+@pytest.fixture(scope="module")
+def flow_assets(assets):
+    from tiny.pipelines import make_tiny_sd3
+    from tiny.reward_models import make_tiny_clip
+
+    root = assets["root"]
+    with failing_fixture("tests/test_recipe_launches.py's Flow-GRPO assets (a tiny SD3, a tiny CLIP, prompt files)"):
+        make_tiny_clip(str(root / "clip"))
+        (root / "pickscore.txt").write_text("a photo of a cat\na red dog\n")
+        (root / "ocr.txt").write_text('a sign that says "open"\na cake with "happy" written on it\n')
+        return dict(sd3=make_tiny_sd3(str(root / "sd3")), clip=str(root / "clip"),
+                    pickscore=str(root / "pickscore.txt"), ocr=str(root / "ocr.txt"))
+
+
+@pytest.mark.parametrize("name", FLOW_RECIPES)
+def test_flow_grpo_recipe_trains_and_checkpoints_the_generator_alone(name, assets, flow_assets, geneval_server,
+                                                                    tmp_path):
+    qwen = "qwenimage" in name
+    args = dict(FLOW_SHRUNK, generator_name_or_path=assets["generator"] if qwen else flow_assets["sd3"])
+    if qwen:
+        args["sde_window_range"] = "[0,2]"
+    if name.endswith("geneval"):
+        args.update(train_data_path=assets["geneval"], val_data_path=assets["geneval"],
+                    reward_server_port=geneval_server.port, reward_kwargs=json.dumps({"max_retries": 1}))
+    elif name.endswith("pickscore"):
+        args.update(train_data_path=flow_assets["pickscore"], val_data_path=flow_assets["pickscore"],
+                    reward_kwargs=json.dumps({"model_name_or_path": flow_assets["clip"], "divisor": 26}))
+    else:
+        args.update(train_data_path=flow_assets["ocr"], val_data_path=flow_assets["ocr"])
+    first, again = _two_steps_then_resume(name, tmp_path, args, keys=("loss",))
+    assert all("image/score" in m for m in first)
+    run = tmp_path / "run" / "checkpoint-2"
+    assert not (run / "model.safetensors").exists()  # no VLM: the generator's LoRA is the checkpoint's model
+    if again is not None:
+        _same_weights(run / "generator_lora", tmp_path / "resumed" / "checkpoint-2" / "generator_lora",
+                      "pytorch_lora_weights.safetensors")

@@ -503,7 +503,8 @@ def resolve_tiny_t2i(cfg, accelerator):
         edit = cfg.edit_generator_name_or_path
         edit = tiny_edit_generator_path() if edit == TINY_MODEL else edit
         tiny_vlm = TINY_REFLECTOR_MODEL if cfg.reflect_refine else TINY_PLANNER_MODEL
-        vlm = resolve_tiny_name(tiny_vlm if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path)
+        vlm = None if getattr(cfg, "text_free", False) else resolve_tiny_name(  # --text_free: no VLM
+            tiny_vlm if cfg.model_name_or_path == TINY_MODEL else cfg.model_name_or_path)
         paths = []
         for value, n, seed in ((cfg.train_data_path, 2000, 0), (cfg.val_data_path, 256, 1)):
             paths.append(tiny_t2i_prompts(n, seed) if value == TINY_MODEL else value)

@@ -161,7 +161,8 @@ def make_tiny_imagereward(out_dir: str, seed: int = 0):
     text = BlipTextModel(BlipTextConfig(vocab_size=med["vocab_size"], hidden_size=TEXT_WIDTH, num_hidden_layers=2,
                                         num_attention_heads=2, intermediate_size=2 * TEXT_WIDTH,
                                         max_position_embeddings=40, encoder_hidden_size=VISION_WIDTH,
-                                        is_decoder=True, pad_token_id=0), add_pooling_layer=False).eval()
+                                        is_decoder=True, pad_token_id=0, bos_token_id=2, sep_token_id=3),
+                         add_pooling_layer=False).eval()
     mlp = score_mlp(TEXT_WIDTH).eval()
     with torch.no_grad():  # weights of ImageReward's scale so the scores spread
         for p in mlp.parameters():

@@ -1,4 +1,4 @@
-"""Loading and up-front validation of the text-to-image prompt sets: GenEval metadata and TIIF rows.
+"""Loading and up-front validation of the text-to-image prompt sets: GenEval metadata, TIIF rows, plain prompts.
 A bad row raises `DataValidationError` naming the file, the row and the column, before any compute."""
 
 from __future__ import annotations
@@ -124,7 +124,25 @@ def load_tiif(path, *, split: str = "train") -> list[dict]:
     return rows
 
 
+def load_prompt_lines(path, *, split: str = "train") -> list[dict]:
+    """Plain prompts, as Flow-GRPO's PickScore and OCR sets: a .txt file with one prompt a line (blank lines skipped),
+    or rows with a `prompt` column (jsonl, json, parquet, a hub data set; their other columns kept). Rows {prompt}."""
+    local = os.path.expanduser(os.fspath(path)) if not isinstance(path, datasets.Dataset) else None
+    if local and os.path.isfile(local) and local.lower().endswith(".txt"):
+        with open(local, encoding="utf-8") as f:
+            rows = [{"prompt": line.strip()} for line in f if line.strip()]
+        if not rows:
+            raise DataValidationError(f"{local}: no prompts")
+        return rows
+    rows, source = _json_rows(path, split)
+    for row, item in enumerate(rows):
+        text_cell(source, row, "prompt", item.get("prompt"))
+    return rows
+
+
 def load_prompts(cfg, path) -> list[dict]:
-    """Prompt rows of --dataset_name's schema (TIIF's, else GenEval's); a bad row is an error naming the file, the
-    row and the column."""
+    """Prompt rows of --dataset_name's schema (TIIF's, plain prompts', else GenEval's); a bad row is an error naming
+    the file, the row and the column."""
+    if cfg.dataset_name == "prompts":
+        return load_prompt_lines(path)
     return load_tiif(path) if cfg.dataset_name == "tiif" else load_geneval(path)

@@ -96,27 +96,33 @@ def refine_rounds(cfg, rows, row_ids, image_ids, images, scores, details, *, rew
 @torch.no_grad()
 def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids, suppress_ids, reward_fn,
                     grid_path, edit_gen=None):
-    """Held-out reason stage: greedy reasoning, ODE images with --eval_num_timesteps, --eval_images_per_prompt per
-    row, each from its own noise (row i's image j from seed + i + j x rows), scored by --reward_fn; rows are shared
-    out over the processes. Writes a grid PNG of the first 64 images (rows first). Returns the means over all
-    images of reward and format. With --reflect_refine also reason + refine (`refine_heldout`): `refine_reward`
-    (the refined image's score), `refine_no_edit` (the share kept as drawn), `refine_change`'s shares and a second
-    grid (`*_refine.png`)."""
+    """Held-out reason stage: greedy reasoning (none with `policy` None, --text_free: the prompts alone draw), ODE
+    images with --eval_num_timesteps, --eval_images_per_prompt per row, each from its own noise (row i's image j from
+    seed + i + j x rows), scored by --reward_fn; rows are shared out over the processes. Writes a grid PNG of the
+    first 64 images (rows first). Returns the means over all images of reward and format. With --reflect_refine also
+    reason + refine (`refine_heldout`): `refine_reward` (the refined image's score), `refine_no_edit` (the share kept
+    as drawn), `refine_change`'s shares and a second grid (`*_refine.png`)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(rows), world))
     results = []
     generate = dict(policy=policy, processor=processor, stop_ids=stop_ids, suppress_ids=suppress_ids)
     shapes = cfg.dataset_name == "shapes_t2i"
-    was_training = policy.training
-    policy.eval()
+    was_training = policy is not None and policy.training
+    if policy is not None:
+        policy.eval()
     per_batch = max(1, cfg.eval_batch_size // cfg.eval_images_per_prompt)  # rows whose images fill a batch
     for start in range(0, len(mine), per_batch):
         idx = mine[start:start + per_batch]
         batch_rows = [rows[i] for i in idx]
-        texts = greedy_texts(cfg, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in batch_rows],
-                             [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator, **generate)
-        parsed = [reasoning_of(t) for t in texts]
-        cond = image_condition(cfg, gen, batch_rows, [reasoning for _, reasoning in parsed])
+        if policy is None:  # --text_free: the prompt alone draws
+            texts, parsed = [r["prompt"] for r in batch_rows], [(1.0, None)] * len(idx)
+            cond = image_condition(cfg, gen, batch_rows, None)
+        else:
+            texts = greedy_texts(cfg, [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in batch_rows],
+                                 [[] for _ in idx], idx, cfg.max_output_token_n_gen, accelerator=accelerator,
+                                 **generate)
+            parsed = [reasoning_of(t) for t in texts]
+            cond = image_condition(cfg, gen, batch_rows, [reasoning for _, reasoning in parsed])
         # every image of these rows in one batch (one greedy reasoning per row, several images of it): item m is
         # image `copy` of row k, its noise seeded by its global index i + copy x rows as ever
         items = [(copy, k) for copy in range(cfg.eval_images_per_prompt) for k in range(len(idx))]
@@ -143,7 +149,8 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                     d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
         results += [(i, s, parsed[k][0], im, d, ref) for i, (_, k), s, im, d, ref in zip(
             ids, items, scores, out.images, details, refined)]
-    policy.train(was_training)
+    if policy is not None:
+        policy.train(was_training)
     # every process's rows, the grid's first 64 images included (PIL images pickle; the rest go without theirs)
     mine_rows = [(i, s, f, {**d, **{k: v for k, v in (ref or {}).items() if k != "image"}},
                   im if i < 64 else None, ref["image"] if ref and i < 64 else None)

@@ -21,9 +21,12 @@ from utils.t2i.generators import Guidance, step_logprob
 
 def image_condition(cfg, gen, rows, texts, images=None):
     """What the generator draws from: each row's prompt + the VLM's text (its reasoning, or its edit instruction
-    with the image to refine; then also the branch without the image that --cfg_img_scale_edit guides against)."""
+    with the image to refine; then also the branch without the image that --cfg_img_scale_edit guides against);
+    `texts` None: the prompt alone (--text_free)."""
     extra = dict(image_guidance=True) if images is not None and cfg.cfg_img_scale_edit > 1 else {}  # Qwen-Image
-    return gen.encode_condition([f"{r['prompt']}\n{text}" for r, text in zip(rows, texts)], images=images,
+    prompts = [r["prompt"] if texts is None else f"{r['prompt']}\n{text}"
+               for r, text in zip(rows, texts or [None] * len(rows))]
+    return gen.encode_condition(prompts, images=images,
                                 height=cfg.image_size, width=cfg.image_size, negative_prompt=cfg.negative_prompt,
                                 **extra)
 
