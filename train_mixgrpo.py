@@ -61,6 +61,8 @@ from utils.t2i.mixgrpo_model import (
     check_policy,
     edit_guidance,
     image_condition,
+    load_generator,
+    own_processor,
 )
 from utils.t2i.r3_format import (
     REASON_PROMPT,
@@ -71,13 +73,15 @@ from utils.t2i.r3_format import (
     reflection_of,
     user_message,
 )
+from utils.t2i.scoring import RewardScorer
 from utils.t2i.sde import image_kl
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TINY = "tiny"
 TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
-DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif")
-REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif")
+DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif", "prompts")
+REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif", "pickscore", "clipscore", "aesthetic", "hpsv2",
+           "imagereward", "ocr", "unifiedreward", "weighted")
 
 
 @dataclass
@@ -117,18 +121,30 @@ class MixGRPOConfig:
     min_pixels: Optional[int] = None  # min pixels per image for the VLM's image processor
     max_anyres_num: Optional[int] = None  # unused by Qwen2.5-VL; kept for the shared model loader
     # data
-    dataset_name: str = choice(*DATASETS, help="schema of the prompt files")
+    dataset_name: str = choice(*DATASETS, help="schema of the prompt files (prompts: a .txt of one prompt a line, or "
+                                               "rows with a prompt column, as Flow-GRPO's PickScore and OCR sets)")
     train_data_path: str = field(default=TINY, metadata={
         "help": "jsonl of training prompts; 'tiny': synthetic shapes_t2i prompts"})
     val_data_path: Optional[str] = field(default=TINY, metadata={
         "help": "jsonl of held-out prompts (shapes_t2i: 'tiny'); none: no evaluation"})
     # rewards
     reward_fn: str = field(default="shapes_t2i", metadata={
-        "help": "image reward: shapes_t2i, geneval, judge_geneval_plus, judge_tiif, or module:function"})
+        "help": "image reward: shapes_t2i, geneval, judge_geneval_plus, judge_tiif, the reward models pickscore, "
+                "clipscore, aesthetic, hpsv2, imagereward, ocr, unifiedreward (docs/rewards.md), weighted (a weighted "
+                "sum of several), or module:function"})
     reward_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON options of --reward_fn"})
     reward_server_urls: str = "http://127.0.0.1"  # comma-separated reward server URLs (rank r: endpoint r mod n)
     reward_server_port: Optional[str] = "8000"  # comma-separated ports, combined with every URL; none: in the URLs
     format_weight: float = 1.0  # w_fmt: reason text reward = score * fmt + w_fmt * fmt (R3: 1.0)
+    # Flow-GRPO: no text
+    text_free: bool = field(default=False, metadata={
+        "help": "Flow-GRPO's setting: each prompt goes straight to the generator (its pipeline's own text encoder "
+                "reads it); no VLM loads, nothing reasons or reflects, only the generator trains (runs with "
+                "--reflect_refine false, --tune_text_cot false, --conditioning generator)"})
+    overlap_rewards: bool = field(default=False, metadata={
+        "help": "--text_free: a background thread scores step k's images while step k+1's are drawn (before step k "
+                "trains, so they are one step off-policy; the clipped ratio corrects for it); a step that ends in a "
+                "checkpoint draws no next images, so a resumed run repeats the run exactly"})
     # groups
     group_size: int = 16  # rollouts per prompt (the GRPO group)
     policy_group_size: int = 4  # processes sharing one prompt; each makes group_size // policy_group_size rollouts
@@ -160,6 +176,10 @@ class MixGRPOConfig:
     sde_window_shift_interval: int = 25  # reason steps before the window moves (MixGRPO's iters_per_group)
     sde_window_stride: Optional[int] = None  # steps the window moves by; none: its size (no overlap)
     sde_window_roll_back: bool = False  # past the last step, start again at step 0; false: stay at the end
+    sde_window_range: Optional[list[int]] = field(default=None, metadata={
+        "help": "Flow-GRPO-Fast: [lo, hi]: each step's window of --sde_window_size SDE steps starts at random in "
+                "[lo, hi - size] (seeded by the step), ODE elsewhere (Flow-GRPO-Fast: [0, num_timesteps_gen // 2]); "
+                "none: MixGRPO's sliding window"})
     noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
     cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
     cfg_img_scale_edit: float = 1.5  # image CFG of the refine stage (BAGEL's cfg_img_scale; 1: off)
@@ -267,9 +287,22 @@ def validate(cfg, num_processes):
         raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit} must be >= 1 (1: no image CFG)")
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id")
+    if cfg.overlap_rewards and not cfg.text_free:
+        raise ConfigError("--overlap_rewards needs --text_free (Mix-GRPO's reflect stage reads the reason step's "
+                          "scores at once)")
+    if cfg.text_free and (cfg.reflect_refine or cfg.tune_text_cot or cfg.conditioning != "generator"):
+        raise ConfigError("--text_free has no VLM: it runs with --reflect_refine false, --tune_text_cot false and "
+                          "--conditioning generator")
+    if cfg.sde_window_range is not None:
+        lo, hi = (list(cfg.sde_window_range) + [None, None])[:2]
+        if len(cfg.sde_window_range) != 2 or not cfg.sde_window_size or not (
+                0 <= lo and lo + cfg.sde_window_size <= hi <= cfg.num_timesteps_gen - 1):
+            raise ConfigError(f"--sde_window_range {cfg.sde_window_range}: expected [lo, hi] with a window of "
+                              f"--sde_window_size {cfg.sde_window_size} (>= 1) inside it and hi <= --num_timesteps_gen "
+                              f"- 1 = {cfg.num_timesteps_gen - 1}")
 
 
-SEED_STREAMS = 8  # text, initial noise, SDE step pick, SDE noise, buffer draw; room for more
+SEED_STREAMS = 8  # text, initial noise, SDE step pick, SDE noise, buffer draw, SDE window start; room for more
 
 
 def seeds_for(seed, stream, step, indices):
@@ -366,6 +399,11 @@ def sde_window(cfg, step):
     last full window (which ends at step num_timesteps_gen - 2) it stays there, or with --sde_window_roll_back
     starts again at 0. A function of the step alone, so a resumed run uses the same windows."""
     size, stride = cfg.sde_window_size, cfg.sde_window_stride or cfg.sde_window_size
+    if cfg.sde_window_range is not None:  # Flow-GRPO-Fast: a random start in [lo, hi - size], the same on every process
+        lo, hi = cfg.sde_window_range
+        pick = torch.Generator().manual_seed(int(seeds_for(cfg.seed, 5, step, [0])[0]))
+        start = int(torch.randint(lo, hi - size + 1, (1,), generator=pick))
+        return list(range(start, start + size))
     reason_steps = step // 2 if cfg.reflect_refine else step  # reason steps before this one
     moves = reason_steps // cfg.sde_window_shift_interval
     last = cfg.num_timesteps_gen - 1 - size  # the last start whose window holds W steps
@@ -428,6 +466,39 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
     return Rollout(**text, stage="reason", images=images, cond=cond.detach(), drawn=list(range(len(images))),
                    steps=steps, scores=scores, formats=formats, sde_index=sde_index, step_image=step_image,
                    rows=local_rows, text_rewards=text_r, image_rewards=image_r, image_mask=torch.ones(len(images)))
+
+
+def prompt_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, gen, accelerator, scorer):
+    """Flow-GRPO (--text_free) for this process's share of each of its prompts: the prompt alone conditions the
+    generator, no text is sampled. Returns (the rollout, its scores as a future: `scorer` scores at once, or in a
+    background thread with --overlap_rewards); `with_scores` fills them in."""
+    global_ids = rollout_ids(cfg, prompt_ids, rank_in_group)
+    local_rows = [rows[k] for k in range(len(prompt_ids)) for _ in range(rollouts_per_process(cfg))]
+    cond = image_condition(cfg, gen, local_rows, None)
+    images, steps, sde_index, step_image = image_rollout(
+        cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
+        sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
+        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+        window=sde_window(cfg, step) if cfg.sde_window_size else None)
+    n, texts = len(local_rows), [r["prompt"] for r in local_rows]
+    no_text = torch.zeros(n, 0, dtype=torch.long, device=accelerator.device)  # the text part is empty
+    unscored = torch.full((n,), float("nan"))
+    roll = Rollout(batch=None, ids=no_text, mask=no_text, texts=texts, old_logps=None, global_ids=global_ids,
+                   stage="image", rows=local_rows, images=images, cond=cond.detach(), drawn=list(range(n)),
+                   steps=steps, step_image=step_image, sde_index=sde_index, scores=unscored, formats=torch.ones(n),
+                   text_rewards=torch.zeros(n), image_rewards=unscored, image_mask=torch.ones(n))
+    return roll, scorer.submit(texts, images, local_rows)
+
+
+def with_scores(roll, pending):
+    """The text-free rollout with its scores, waited for (a reward that failed raises here): image reward = score."""
+    scores = pending.result()
+    return replace(roll, scores=scores, image_rewards=scores)
+
+
+def checkpoint_after(cfg, step):
+    """Whether a checkpoint is written once `step` optimizer steps are done."""
+    return is_due(step, cfg.save_steps, cfg.max_steps)
 
 
 def build_buffer(accelerator, roll):
@@ -676,21 +747,27 @@ def main(cfg: MixGRPOConfig):
     heldout_images = f"{len(val_rows or [])} prompts" + (f" x {n_images} images" if n_images > 1 else "")
     reward_fn = build_image_reward(cfg)
     check_generators(cfg, gen_path)  # their pipelines against the flags (model_index.json), before any loads
-    check_policy(cfg, vlm_path, gen_path)  # the policy's family against the generator's conditioning
+    if not cfg.text_free:
+        check_policy(cfg, vlm_path, gen_path)  # the policy's family against the generator's conditioning
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
     plugin = accelerator.state.deepspeed_plugin
     # Both parts load whole on each process and ZeRO-3 shards them at prepare: diffusers builds no model sharded,
     # and the generator's frozen copy of the VLM (its conditioning) is copied from the loaded weights.
     with whole_weights(plugin):
-        model, processor, policy, gen, gen_params = build_policy(cfg, vlm_path, gen_path, accelerator.device)
+        if cfg.text_free:  # Flow-GRPO: the generator alone, its own text encoder reading the prompts
+            model = processor = policy = stop_ids = suppress_ids = None
+            gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", accelerator.device, hidden=None,
+                                             components=own_processor(gen_path), **cfg.generator_kwargs)
+        else:
+            model, processor, policy, gen, gen_params = build_policy(cfg, vlm_path, gen_path, accelerator.device)
     edit_gen, edit_params = gen, []  # the refine stage's generator: its own (Qwen-Image-Edit), or the same one
     if cfg.edit_generator_name_or_path:
         edit_gen, edit_params = build_edit_generator(cfg, cfg.edit_generator_name_or_path, gen, accelerator.device)
-    tokenizer = processor.tokenizer
-    stop_ids = stop_token_ids(model, tokenizer)
-    suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
-    if not cfg.tune_text_cot:
+    if model is not None:
+        stop_ids = stop_token_ids(model, processor.tokenizer)
+        suppress_ids = special_token_ids_to_suppress(processor.tokenizer, stop_ids)
+    if not cfg.tune_text_cot and policy is not None:
         policy.requires_grad_(False)
     if not cfg.tune_image_cot:
         for p in gen_params + edit_params:
@@ -731,6 +808,16 @@ def main(cfg: MixGRPOConfig):
         logger.log_image(global_step, f"heldout/{tag}", os.path.join(cfg.output_dir, f"heldout_{tag}.png"))
         return result
 
+    scorer = RewardScorer(cfg, reward_fn, background=cfg.overlap_rewards)  # --text_free's scoring
+    prefetched = None  # --overlap_rewards: the next step's rollout, drawn while this step's images are scored
+
+    def draw_prompts(step):  # --text_free: `step`'s rollout, drawn with every ZeRO-3 shard gathered once
+        prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+        mix.eval()
+        with unwrap_for_generation(mix, accelerator):
+            return prompt_rollout(cfg, step, mine, [train_rows[prompt_idx[q]] for q in mine], rank_in_group=member,
+                                  gen=gen, accelerator=accelerator, scorer=scorer)
+
     heldout_before = state.get("heldout_before")
     if val_rows is not None and cfg.eval_before and global_step == 0:
         heldout_before = evaluate("before")
@@ -740,11 +827,17 @@ def main(cfg: MixGRPOConfig):
     while global_step < cfg.max_steps:
         t_step = time.perf_counter()
         # ---- 1. rollout: even steps reason, odd steps reflect on a buffered image and refine it ----
-        rows = None
-        if not (cfg.reflect_refine and global_step % 2 == 1):
-            prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
-            rows = [train_rows[prompt_idx[q]] for q in mine]
-        roll = sample_rollout(cfg, global_step, mine, rows, buffer, mix=mix, **rollout_kw)
+        if cfg.text_free:  # Flow-GRPO: the prompt alone draws; a step before a checkpoint draws no next step
+            (roll, pending), prefetched = prefetched or draw_prompts(global_step), None
+            if cfg.overlap_rewards and not checkpoint_after(cfg, global_step + 1):
+                prefetched = draw_prompts(global_step + 1)  # while this step's images are scored
+            roll = with_scores(roll, pending)
+        else:
+            rows = None
+            if not (cfg.reflect_refine and global_step % 2 == 1):
+                prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
+                rows = [train_rows[prompt_idx[q]] for q in mine]
+            roll = sample_rollout(cfg, global_step, mine, rows, buffer, mix=mix, **rollout_kw)
         if roll.stage == "reason" and cfg.reflect_refine:
             buffer = build_buffer(accelerator, roll)
         # ---- 2. rewards and advantages over whole policy groups (gathered across processes) ----
@@ -769,6 +862,7 @@ def main(cfg: MixGRPOConfig):
             save_step(accelerator, cfg, global_step, mix=mix, processor=processor, state=state, buffer=buffer,
                       generators=generators, logger=logger, uploader=uploader, gen_path=gen_path, vlm_path=vlm_path)
 
+    scorer.close()
     summary = train_summary(global_step, train_start, logger)
     if val_rows is not None:
         after = evaluate("after")

@@ -12,8 +12,8 @@
 (tiny models built from configs, unless --image_kwargs names real ones, e.g. '{"pickscore": {"model_name_or_path":
 "yuvalkirstain/PickScore_v1", "device": "cuda"}}'): seconds per image (best of --repeats, after one warm-up call),
 the load time, and the memory the model takes (CUDA: peak allocated; CPU: the process's peak RSS growth).
---overlap runs the tiny Flow-GRPO job (recipes/tiny_flow_grpo.yaml, in this process) for --overlap_steps steps with
---overlap_reward, with and without --overlap_rewards, and prints the mean step time after the first.
+--overlap runs the tiny Flow-GRPO job (recipes/tiny_flow_grpo.yaml, python train_mixgrpo.py) for --overlap_steps
+steps with --overlap_reward, with and without --overlap_rewards, and prints the mean step time after the first.
 
 CRYSTAL completions are JSON (70%) or <think> steps (30%) with 4-9 reasoning steps of 12-25 words; math
 completions are a <think> block of 12-20 sentences then an <answer> (integer, fraction, decimal, LaTeX);
@@ -213,34 +213,29 @@ def bench_image_rewards(args) -> None:
 
 
 def bench_overlap(args) -> None:
+    import subprocess
     import tempfile
 
-    import train_mixgrpo as tm
-    from utils.core.config import parse_config
-    from utils.core.tracking import read_jsonl
-
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     folder = tempfile.mkdtemp(prefix="bench-overlap-")
     prompts = os.path.join(folder, "prompts.txt")
     with open(prompts, "w") as f:
         f.write("\n".join(IMAGE_PROMPTS) + "\n")
     times = {}
-    for overlap in (False, True):
+    for overlap in ("false", "true"):
         out = os.path.join(folder, f"overlap-{overlap}")
-        cfg = parse_config(tm.MixGRPOConfig, [
-            "--config", os.path.join(tm.REPO, "recipes", "tiny_flow_grpo.yaml"), "--dataset_name", "prompts",
-            "--train_data_path", prompts, "--val_data_path", "none", "--reward_fn", args.overlap_reward,
-            "--reward_kwargs", "{}", "--max_steps", str(args.overlap_steps), "--save_steps", "1000",
-            "--overlap_rewards", str(overlap).lower(), "--output_dir", out, "--report_to", "none"])
-        tm.main(cfg)
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        steps = [m["step_time"] for m in read_jsonl(os.path.join(out, "metrics.jsonl")) if "step_time" in m]
+        subprocess.run([sys.executable, os.path.join(repo, "train_mixgrpo.py"), "--config",
+                        os.path.join(repo, "recipes", "tiny_flow_grpo.yaml"), "--dataset_name", "prompts",
+                        "--train_data_path", prompts, "--val_data_path", "none", "--reward_fn", args.overlap_reward,
+                        "--reward_kwargs", "{}", "--max_steps", str(args.overlap_steps), "--save_steps", "1000",
+                        "--overlap_rewards", overlap, "--output_dir", out, "--report_to", "none"],
+                       check=True, cwd=repo, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            steps = [row["step_time"] for row in map(json.loads, f) if "step_time" in row]
         times[overlap] = statistics.mean(steps[1:])
     print(f"tiny text-free job, reward {args.overlap_reward}, {args.overlap_steps} steps (mean step time after the "
-          f"first): without overlap {times[False]:.3f} s, with --overlap_rewards {times[True]:.3f} s, "
-          f"ratio {times[False] / times[True]:.2f}x")
+          f"first): without overlap {times['false']:.3f} s, with --overlap_rewards {times['true']:.3f} s, "
+          f"ratio {times['false'] / times['true']:.2f}x")
 
 
 def run_share(metrics_path: str) -> str:

@@ -142,6 +142,13 @@ def _flags(world, out, **overrides):
         max_steps=4, save_steps=2, log_completions=4), **overrides}
 
 
+def _arg(value):
+    """A flag's value on the command line: JSON for dicts and lists, none for None, lower-case booleans."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else value
+
+
 def _run(world, out, **overrides):
     try:
         return tm.main(tm.MixGRPOConfig(**_flags(world, out, cpu_threads=1, **overrides)))
@@ -192,8 +199,7 @@ def test_text_free_trains_the_generator_on_pickscore_overlapped_and_resumes_bit_
 def test_launched_text_free_run_killed_with_sigkill_resumes_exactly(world, tmp_path):
     def start(out, **extra):
         flags = _flags(world, out, max_steps=5, save_steps=2, overlap_rewards=True, **extra)
-        return launch("train_mixgrpo.py", cli(**{k: json.dumps(v) if isinstance(v, (dict, list)) else v
-                                                 for k, v in flags.items()}))
+        return launch("train_mixgrpo.py", cli(**{k: _arg(v) for k, v in flags.items()}))
 
     finish(start(tmp_path / "full"), what="the uninterrupted run")
     victim = start(tmp_path / "killed")
@@ -215,8 +221,9 @@ def test_a_reward_whose_package_is_missing_is_refused_in_one_line(world, tmp_pat
     from tests.requirements_env import closure, make_view_venv, pinned
 
     python = make_view_venv(str(tmp_path / "venv"), closure(pinned()))
-    flags = _flags(world, tmp_path / "run", reward_fn="hpsv2", reward_kwargs="{}")
-    proc = subprocess.run([python, os.path.join(REPO, "train_mixgrpo.py"), *cli(**flags)], cwd=REPO,
+    flags = _flags(world, tmp_path / "run", reward_fn="hpsv2", reward_kwargs={})
+    proc = subprocess.run([python, os.path.join(REPO, "train_mixgrpo.py"), *cli(**{k: _arg(v) for k, v in
+                                                                                   flags.items()})], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
