@@ -41,6 +41,12 @@ def launch(script, args, num_processes=1, config=None, env=None):
     return _popen([ACCELERATE, "launch", *how, "--mixed_precision", "no", os.path.join(REPO, script), *args], env)
 
 
+def launch_fsdp2(script, args, num_processes=2, env=None):
+    """`script` under accelerate_configs/fsdp2.yaml on CPU processes, through tests/fsdp_worker.py (accelerate turns
+    FSDP on only for GPU process groups; the worker lifts that gate and nothing else)."""
+    return launch(os.path.join("tests", "fsdp_worker.py"), [script, *args], num_processes, config="fsdp2", env=env)
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -21,6 +21,7 @@ EXPECTED = {
     "zero3": (DistributedType.DEEPSPEED, 8, 1, 3, "none", "none"),
     "zero3_offload": (DistributedType.DEEPSPEED, 8, 1, 3, "cpu", "cpu"),
     "multinode_zero3": (DistributedType.DEEPSPEED, 16, 2, 3, "none", "none"),
+    "fsdp2": (DistributedType.FSDP, 8, 1, None, None, None),
 }
 DEEPSPEED_CONFIGS = [name for name, spec in EXPECTED.items() if spec[3] is not None]
 # deepspeed_config keys that `accelerate launch` hands to DeepSpeedPlugin (deepspeed_multinode_launcher is
@@ -146,3 +147,100 @@ def test_two_process_ddp_launch_on_cpu(tmp_path):
     assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == [3, 4]  # written once, by rank 0 only
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 (accelerate_configs/fsdp2.yaml)
+# ----------------------------------------------------------------------------------------------
+
+
+def fsdp2_plugin(monkeypatch):
+    """The FSDP plugin accelerate builds in each worker from fsdp2.yaml (the launcher turns fsdp_config into FSDP_*
+    variables, the plugin reads them)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fsdp = load_config_from_file(str(CONFIGS / "fsdp2.yaml")).fsdp_config
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    for key, value in fsdp.items():
+        monkeypatch.setenv(key.upper(), str(value).lower() if isinstance(value, bool) else str(value))
+    return FullyShardedDataParallelPlugin()
+
+
+def test_fsdp2_config_is_full_sharding_with_activation_checkpointing(monkeypatch):
+    plugin = fsdp2_plugin(monkeypatch)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # FSDP2's full sharding
+    assert plugin.activation_checkpointing is True and plugin.cpu_offload.__class__.__name__ == "OffloadPolicy"
+    assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
+    assert plugin.transformer_cls_names_to_wrap is None  # the model's own layer classes (utils/core/fsdp.py)
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading is False
+
+
+def documented_layer_classes():
+    """family -> the classes fsdp2.yaml's comment lists (`#   Family: Class, Class`)."""
+    table = {}
+    for line in (CONFIGS / "fsdp2.yaml").read_text().splitlines():
+        if line.startswith("#   ") and ": " in line:
+            family, classes = line[4:].split(": ", 1)
+            table[family] = {c.split(" (")[0].strip() for c in classes.split(",")}
+    return table
+
+
+FAMILY_ROWS = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5", "glm4v": "GLM-4.1V",
+               "internvl": "InternVL", "gemma3": "Gemma 3"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_ROWS))
+def test_fsdp2_units_are_each_familys_layer_classes(family_models, monkeypatch, family):
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from utils.core.fsdp import fsdp_layer_classes
+    from utils.core.logprobs import CompletionLogProbs
+
+    model, _ = family_models(family)
+    policy = CompletionLogProbs(model)
+    classes = fsdp_layer_classes(policy)
+    # the model's own list names classes this checkpoint may lack; accelerate refuses a name it cannot find
+    assert set(classes) <= set(model._no_split_modules) and set(classes) >= documented_layer_classes()[
+        FAMILY_ROWS[family]]
+    plugin = fsdp2_plugin(monkeypatch)
+    policy._no_split_modules = classes  # what prepare_training sets under FSDP
+    plugin.set_auto_wrap_policy(policy)
+    wrap = fsdp2_prepare_auto_wrap_policy(plugin, policy)
+    units = [m for m in policy.modules() if wrap(m)]
+    decoder = [m for m in units if "Decoder" in type(m).__name__]
+    assert len(decoder) == model.config.get_text_config().num_hidden_layers  # every decoder layer is a unit
+    assert any("Vision" in type(m).__name__ or "Siglip" in type(m).__name__ for m in units)
+    del policy._no_split_modules  # without it accelerate finds no class on our wrapper: one unit, the whole model
+    plugin = fsdp2_plugin(monkeypatch)
+    plugin.set_auto_wrap_policy(policy)
+    assert not any(fsdp2_prepare_auto_wrap_policy(plugin, policy)(m) for m in policy.modules())
+
+
+def test_fsdp_units_are_set_and_double_activation_checkpointing_is_refused():
+    from types import SimpleNamespace
+
+    import torch
+
+    from utils.core.config import ConfigError
+    from utils.core.run import prepare_training
+
+    class Prepared(RuntimeError):
+        pass
+
+    def prepare(model, optimizer):
+        raise Prepared(model._no_split_modules)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0]._no_split_modules = ["Linear", "Missing"]
+    plugin = SimpleNamespace(activation_checkpointing=True)
+    accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, prepare=prepare,
+                                  state=SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=None))
+    cfg = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0,
+                          gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match="--gradient_checkpointing: the FSDP config's fsdp_activation_checkpointing"):
+        prepare_training(accelerator, cfg, model, list(model.parameters()), max_steps=1, num_warmup_steps=0,
+                         micro_batch_size=1)
+    cfg.gradient_checkpointing = False
+    with pytest.raises(Prepared, match=r"\['Linear'\]"):  # the classes the model holds, on the prepared module
+        prepare_training(accelerator, cfg, model, list(model.parameters()), max_steps=1, num_warmup_steps=0,
+                         micro_batch_size=1)

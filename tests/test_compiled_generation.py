@@ -101,7 +101,7 @@ def test_cache_implementation_is_resolved_and_refused_by_name(setup):
     assert resolve_cache_implementation("auto", model, device="cuda", use_vllm=True, notice=notes.append) is False
     assert resolve_cache_implementation("auto", model, device="cuda", zero3=True, notice=notes.append) is False
     assert len(notes) == 1 and "ZeRO-3" in notes[0] and notes[0].startswith("--cache_implementation auto")
-    with pytest.raises(ConfigError, match="--cache_implementation static: ZeRO-3 gathers the sharded weights"):
+    with pytest.raises(ConfigError, match=r"--cache_implementation static: ZeRO-3 \(and FSDP2\) gather the sharded"):
         resolve_cache_implementation("static", model, device="cuda", zero3=True)
     with pytest.raises(ConfigError, match="--cache_implementation static: --use_vllm"):
         resolve_cache_implementation("static", model, device="cuda", use_vllm=True)

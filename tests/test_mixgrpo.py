@@ -15,7 +15,7 @@ from transformers import AutoModelForImageTextToText
 import train_mixgrpo as tm
 from kernels import group_advantages
 from tests.launch_helpers import cli as flags
-from tests.launch_helpers import failing_fixture, finish, launch, sigkill_when
+from tests.launch_helpers import failing_fixture, finish, launch, launch_fsdp2, sigkill_when
 from tiny.cache import resolve_tiny_t2i
 from train_mixgrpo import MixGRPOConfig
 from utils.core.logprobs import hf_core
@@ -528,7 +528,9 @@ def test_generator_conditioning_reads_the_pipelines_own_frozen_text_encoder(tiny
 
 def mixgrpo(args, num_processes=1, config=None):
     """train_mixgrpo.py launched on CPU processes (with `config`: accelerate_configs/<config>.yaml, DeepSpeed's on
-    its CPU accelerator)."""
+    its CPU accelerator; fsdp2 through tests/fsdp_worker.py)."""
+    if config == "fsdp2":
+        return launch_fsdp2("train_mixgrpo.py", args, num_processes)
     env = {"DS_ACCELERATOR": "cpu"} if config else None
     return launch("train_mixgrpo.py", args, num_processes, config=config, env=env)
 
@@ -741,5 +743,27 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, t
     resumed = train_rows(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [2, 3]
     for a, b in zip(ds[1:], resumed):
+        for key, value in values(a).items():
+            assert value == pytest.approx(values(b)[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_fsdp2_on_two_cpu_processes_matches_ddp_and_resumes(tiny, ddp_run, tmp_path):
+    # accelerate_configs/fsdp2.yaml (through tests/fsdp_worker.py): the VLM's layers and the generator's blocks
+    # sharded as units of the one prepared module; rollouts on whole weights gathered once (utils/core/fsdp.py)
+    finish(mixgrpo(cli(tiny, tmp_path / "fsdp", **ds_args(tiny), save_steps=1), 2, config="fsdp2"))
+    shards = os.listdir(tmp_path / "fsdp" / "checkpoint-3" / "training_state" / "pytorch_model_fsdp_0")
+    assert sorted(s for s in shards if s.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    fsdp = train_rows(tmp_path / "fsdp")
+    assert [m["step"] for m in fsdp] == [1, 2, 3]
+    for a, b in zip(ddp_run, fsdp):
+        assert_same_metrics(a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4 * reward_noise_gain(a)), a["step"]
+    finish(mixgrpo(cli(tiny, tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "fsdp" / "checkpoint-1"),
+                       **ds_args(tiny)), 2, config="fsdp2"))
+    resumed = train_rows(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == [2, 3]
+    for a, b in zip(fsdp[1:], resumed):
         for key, value in values(a).items():
             assert value == pytest.approx(values(b)[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import train_sft
 import utils.core.run
-from tests.launch_helpers import cli, failing_fixture, finish, launch
+from tests.launch_helpers import cli, failing_fixture, finish, launch, launch_fsdp2
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from tiny.tokenizer import FAMILIES
@@ -338,7 +338,9 @@ def _launch_sft(config, tiny, shapes, out, *extra, env=None):
     args = [*cli(model_name_or_path=tiny["qwen2_5_vl"], dataset_name=shapes, per_device_train_batch_size=2,
                  max_steps=3, save_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", max_length=512,
                  report_to="none", output_dir=out), *extra]
-    finish(launch("train_sft.py", args, 2, config=config, env=env), timeout=400)
+    run = launch_fsdp2("train_sft.py", args) if config == "fsdp2" else launch("train_sft.py", args, 2, config=config,
+                                                                               env=env)
+    finish(run, timeout=400)
     with open(out / "metrics.jsonl") as f:
         return [r for r in map(json.loads, f) if "loss" in r]
 
@@ -381,3 +383,26 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes_exactly(tiny, sh
     a = load_file(str(full / "checkpoint-3" / "model.safetensors"))
     b = load_file(str(resumed / "checkpoint-3" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_fsdp2_on_two_cpu_processes_matches_ddp_and_resumes_exactly(tiny, shapes, tmp_path, ddp_run):
+    # accelerate_configs/fsdp2.yaml through tests/fsdp_worker.py (accelerate refuses FSDP on a CPU group otherwise)
+    ddp_out, ddp_rows = ddp_run
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    rows = _launch_sft("fsdp2", tiny, shapes, full)
+    shards = os.listdir(full / "checkpoint-3" / "training_state" / "pytorch_model_fsdp_0")
+    assert sorted(s for s in shards if s.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for fsdp, ddp in zip(rows, ddp_rows):
+        assert fsdp["tokens"] == ddp["tokens"]
+        assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
+        assert fsdp["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4)
+    a = load_file(str(ddp_out / "checkpoint-3" / "model.safetensors"))
+    b = load_file(str(full / "checkpoint-3" / "model.safetensors"))
+    assert a.keys() ^ b.keys() <= {"lm_head.weight"}  # DDP's names; the gathered copy may write the tied head too
+    assert max((a[k] - b[k]).abs().max().item() for k in a.keys() & b.keys()) < 1e-4
+    again = _launch_sft("fsdp2", tiny, shapes, resumed, "--resume_from_checkpoint", str(full / "checkpoint-2"))
+    assert [r["step"] for r in again] == [3] and again[0]["loss"] == rows[2]["loss"]
+    c = load_file(str(resumed / "checkpoint-3" / "model.safetensors"))
+    assert c.keys() == b.keys() and all(torch.equal(b[k], c[k]) for k in b)

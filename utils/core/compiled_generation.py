@@ -31,8 +31,8 @@ def static_cache_unsupported_reason(model, *, use_vllm=False, zero3=False):
     if use_vllm:
         return "--use_vllm generates with vLLM, which has its own cache and CUDA graphs"
     if zero3:
-        return ("ZeRO-3 gathers the sharded weights into new tensors for each generation, so the compiled step "
-                "(its CUDA graphs) would be rebuilt at every rollout; use ZeRO-1/2 or DDP")
+        return ("ZeRO-3 (and FSDP2) gather the sharded weights into new tensors for each generation, so the compiled "
+                "step (its CUDA graphs) would be rebuilt at every rollout; use ZeRO-1/2 or DDP")
     text = model.config.get_text_config(decoder=True)
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:

@@ -25,7 +25,8 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import get_scheduler
 
 from utils.core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from utils.core.config import config_to_dict, save_config
+from utils.core.config import ConfigError, config_to_dict, save_config
+from utils.core.fsdp import fsdp_layer_classes
 from utils.core.hub import HubUploader
 from utils.core.launch import accelerator_device_kwargs, set_cpu_threads
 from utils.core.precision import check_update_precision, deepspeed_master_weights
@@ -71,6 +72,11 @@ def prepare_training(accelerator, cfg, model, params, *, max_steps, num_warmup_s
     if plugin is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
         plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
+    if accelerator.distributed_type.name == "FSDP":  # the units: the models' layer classes (utils/core/fsdp.py)
+        if accelerator.state.fsdp_plugin.activation_checkpointing and getattr(cfg, "gradient_checkpointing", False):
+            raise ConfigError("--gradient_checkpointing: the FSDP config's fsdp_activation_checkpointing already "
+                              "recomputes every layer's activations; keep one of the two")
+        model._no_split_modules = fsdp_layer_classes(model)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     return model, optimizer, scheduler

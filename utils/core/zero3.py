@@ -41,12 +41,16 @@ def zero3_gathered(engine):
 
 @contextlib.contextmanager
 def unwrap_for_generation(model, accelerator):
-    """The plain module behind DDP/DeepSpeed wrappers, with ZeRO-3 shards gathered while it is used."""
+    """The plain module behind DDP/DeepSpeed wrappers, with ZeRO-3 shards (FSDP2 units: utils/core/fsdp.py) gathered
+    while it is used."""
     if is_zero3(accelerator, model):
         with zero3_gathered(model) as module:
             yield module
     else:
-        yield accelerator.unwrap_model(model)
+        from utils.core.fsdp import fsdp2_unsharded
+
+        with fsdp2_unsharded(accelerator.unwrap_model(model)) as module:
+            yield module
 
 
 def parameter_gatherer(accelerator, model):
