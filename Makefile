@@ -8,7 +8,7 @@ REQ_HASH := $(shell cat requirements.txt | sha1sum | cut -c1-12)
 DEV_HASH := $(shell cat requirements.txt requirements-dev.txt requirements-rewards.txt | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 DEV_STAMP := $(VENV)/.dev-installed-$(DEV_HASH)
-FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig train_mixgrpo:MixGRPOConfig distill:DistillConfig iterate:IterateConfig
+FLAG_SOURCES := train_grpo:GRPOConfig train_sft:SFTConfig evaluate:EvalConfig train_mixgrpo:MixGRPOConfig distill:DistillConfig iterate:IterateConfig vllm_serve:ServeConfig
 
 .PHONY: install install-dev demo test test-full test-unit test-build lint docs
 

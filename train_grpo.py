@@ -78,7 +78,9 @@ from utils.core.tool_formats import tool_format
 from utils.core.tool_rollout import ToolRollout, context_limit, log_turns, tool_metrics
 from utils.core.tools import ToolBox, pixel_budget
 from utils.core.video import budget_from_config, check_config_video_flags, row_clips, video_flag
-from utils.core.vllm_rollout import VLLMRollout, require_vllm
+from utils.core.vllm_flags import VLLM_MODES, check_vllm_flags
+from utils.core.vllm_rollout import require_vllm
+from utils.core.vllm_server_rollout import make_vllm_rollout
 from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
 from utils.eval.heldout import evaluate_policy, load_eval_set
 
@@ -171,7 +173,7 @@ class GRPOConfig:
     dynamic_sampling: bool = field(default=False, metadata={
         "help": "DAPO: drop groups whose rewards do not vary and refill the step with groups of new prompts"})
     max_resample_rounds: int = 4  # extra generation rounds a step may run to refill it under --dynamic_sampling
-    use_vllm: bool = False  # generate rollouts with a colocated vLLM engine (CUDA only)
+    use_vllm: bool = False  # generate rollouts with vLLM (CUDA only): colocated engines, or a server (--vllm_mode)
     cache_implementation: str = choice(*CACHE_IMPLEMENTATIONS, help=(
         "HF rollout's KV cache (TRL's flag): dynamic is generate's eager decoding, static also compiles the decode "
         "step (CUDA graphs on a GPU), auto is static on CUDA where it can run and dynamic elsewhere"))
@@ -179,6 +181,22 @@ class GRPOConfig:
     allow_double_accuracy: bool = field(default=False,
                                         metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
     # vLLM engine (with --use_vllm; docs/distributed.md)
+    vllm_mode: str = choice(*VLLM_MODES, help=(
+        "colocate: an engine inside every training process; server: a generation server on other GPUs "
+        "(python vllm_serve.py: TRL's trl vllm-serve protocol), weights pushed after every optimizer step"))
+    vllm_server_base_url: Optional[str] = None  # server mode: the server's URL; none: http://<host>:<port>
+    vllm_server_host: str = "0.0.0.0"  # server mode: the server's host (TRL's default; give its address)
+    vllm_server_port: int = 8000  # server mode: the server's HTTP port
+    vllm_server_timeout: float = 240.0  # server mode: seconds to wait for the server to come up
+    vllm_group_port: int = 51216  # server mode: port of the weight-update group's store, on the server's host
+    vllm_tensor_parallel_size: int = 1  # colocate mode: processes (GPUs) each engine is sharded over
+    vllm_model_impl: str = choice("vllm", "transformers", help="colocate mode: vLLM's model code or transformers'")
+    vllm_max_model_length: Optional[int] = None  # TRL's name for --vllm_max_model_len
+    vllm_lora_sync: str = choice("auto", "adapter", "merge", help=(
+        "with --use_peft: adapter sends only the LoRA adapter (a vLLM LoRA request), merge sends every adapted layer "
+        "merged into its base weight; auto: adapter in colocate mode, merge for a server (its protocol has none)"))
+    vllm_structured_outputs_regex: Optional[str] = field(default=None, metadata={"help": (
+        "TRL's constrained decoding: refused, as the training log-probs would not apply the constraint")})
     vllm_gpu_memory_utilization: float = 0.3  # share of the GPU's memory vLLM may take (weights, activations, KV)
     vllm_max_num_seqs: Optional[int] = None  # most sequences per engine step; none: vLLM's default
     vllm_max_num_batched_tokens: Optional[int] = 4096  # tokens per engine step (TRL's value); none: vLLM's default
@@ -289,9 +307,9 @@ def validate(cfg, num_processes, distributed_type="NO"):
     if "cpr" in cfg.reward_funcs and "accuracy" in cfg.reward_funcs and not cfg.allow_double_accuracy:
         raise ConfigError("--reward_funcs has both accuracy and cpr, and cpr already rewards the answer, so a correct "
                           "answer would count twice; drop accuracy, or pass --allow_double_accuracy to mean it")
-    if cfg.use_pcgrad and distributed_type == "DEEPSPEED":
-        raise ConfigError("--use_pcgrad needs per-objective gradients, which DeepSpeed does not expose; use DDP (or "
-                          "one process)")
+    if cfg.use_pcgrad and distributed_type in ("DEEPSPEED", "FSDP"):
+        raise ConfigError("--use_pcgrad needs per-objective gradients, which DeepSpeed and FSDP do not expose; use DDP "
+                          "(or one process)")
     if cfg.max_resample_rounds < 0:
         raise ConfigError("--max_resample_rounds must be >= 0")
     if not 0.0 <= cfg.top_entropy_quantile <= 1.0:
@@ -342,7 +360,7 @@ def validate(cfg, num_processes, distributed_type="NO"):
     if cfg.use_vllm and cfg.cache_implementation == "static":
         raise ConfigError("--cache_implementation static compiles the HF rollout, and --use_vllm generates with vLLM: "
                           "drop one")
-    if cfg.use_vllm:
+    if check_vllm_flags(cfg, num_processes):
         require_vllm()
     validate_tools(cfg)
 
@@ -478,7 +496,7 @@ class Rollouts:
     reward_weights: torch.Tensor  # [reward functions]
     stop_ids: list
     suppress_ids: list
-    vllm: Optional[VLLMRollout] = None  # --use_vllm's engine
+    vllm: Optional[object] = None  # --use_vllm's engine: VLLMRollout (colocate) or VLLMServerRollout (server)
     compiled: Optional[CompiledRollout] = None  # --cache_implementation static's decode step
     tools: Optional[ToolRollout] = None  # --tools: the multi-turn loop (utils/core/tool_rollout.py)
 
@@ -558,17 +576,18 @@ def main(cfg: GRPOConfig):
                   if cfg.beta != 0.0 else None)
     if ref_policy is not None and cfg.disable_dropout:
         disable_dropout(ref_policy)
-    # one colocated engine per process, fed the trainer's prompt ids and pixel budget (docs/distributed.md)
+    # colocated engines fed the trainer's prompt ids and pixel budget, or a server (docs/distributed.md)
     max_videos = max((len(v) for v in dataset["videos"]), default=0) if "videos" in dataset.column_names else 0
     video_budget = budget_from_config(processor, cfg) if max_videos else None  # a model without video fails here
-    vllm = (VLLMRollout(model_path, accelerator, cfg, processor=processor, model_config=model.config,
-                        max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
+    vllm = (make_vllm_rollout(model_path, accelerator, cfg, processor=processor, model_config=model.config,
+                              max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
     # the HF rollout's static KV cache and compiled decode step, built once and reused
     # (utils/core/compiled_generation.py)
     plugin = accelerator.state.deepspeed_plugin
     compiled = CompiledRollout() if resolve_cache_implementation(
         cfg.cache_implementation, model, device=accelerator.device, use_vllm=cfg.use_vllm,
-        zero3=plugin is not None and plugin.zero_stage == 3, notice=accelerator.print) else None
+        zero3=(plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type.name == "FSDP",
+        notice=accelerator.print) else None
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
     ro = Rollouts(cfg=cfg, accelerator=accelerator, layout=layout, policy=policy, processor=processor,
@@ -625,6 +644,8 @@ def main(cfg: GRPOConfig):
                                        loss_divisor=loss_divisor, step=global_step, timings=timings)
             scheduler.step()
             global_step += 1
+            if vllm is not None:  # server mode: the new weights go to the server now (colocate: before the next round)
+                vllm.sync_after_step(policy, global_step)
             # ---- 6. log, checkpoint (atomic) and push ----
             if is_due(global_step, cfg.logging_steps, max_steps):
                 log_step(ro, logger, global_step, batches, result, sampling=sampling, reward_log=reward_log,

@@ -30,6 +30,7 @@ if __name__ == "__main__":
     train_grpo.main(cfg)
     (engine,) = FakeVLLM.engines
     record = dict(env=engine.env, calls=[c[0] for c in engine.calls], synced=len(engine.model.loaded),
-                  seeds=[p.seed for p in engine.params])
+                  seeds=[p.seed for p in engine.all_params], tp=engine.kwargs["tensor_parallel_size"],
+                  engine_seed=engine.kwargs["seed"])
     with open(os.path.join(cfg.output_dir, f"engine-{engine.env['RANK']}.json"), "w") as f:
         json.dump(record, f)

@@ -6,11 +6,19 @@ import os
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import train_grpo
 from tests.launch_helpers import cli as flags
-from tests.launch_helpers import failing_fixture, finish, fresh_accelerate_state, launch, sigkill_when
+from tests.launch_helpers import (
+    failing_fixture,
+    finish,
+    fresh_accelerate_state,
+    launch,
+    launch_fsdp2,
+    sigkill_when,
+)
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from train_grpo import GRPOConfig
@@ -540,7 +548,7 @@ def test_bad_vllm_flags_fail_before_loading(assets, tmp_path):
 
 
 def test_vllm_flags_default_to_what_the_rollout_module_reads():
-    from utils.core.vllm_rollout import FLAG_DEFAULTS
+    from utils.core.vllm_flags import FLAG_DEFAULTS
 
     defaults = GRPOConfig()
     assert {name: getattr(defaults, name) for name in FLAG_DEFAULTS} == FLAG_DEFAULTS
@@ -585,6 +593,41 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, ddp_run,
             assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key
 
 
+@pytest.fixture(scope="module")
+def fsdp2_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-fsdp2")
+    finish(launch_fsdp2("train_grpo.py", cli(assets, out, **DDP)), what="tests/test_train_grpo.py's FSDP2 run")
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_cpu_processes_matches_ddp(assets, ddp_run, fsdp2_run):
+    # accelerate_configs/fsdp2.yaml: fully_shard per decoder layer and vision block, activation checkpointing, sharded
+    # checkpoints; generation on whole weights gathered once (utils/core/fsdp.py), the reference a copy per rank
+    shards = os.listdir(fsdp2_run / "checkpoint-2" / "training_state" / "pytorch_model_fsdp_0")
+    assert sorted(s for s in shards if s.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # 2 ranks' shards
+    ddp, fsdp = read_jsonl(ddp_run / "metrics.jsonl"), read_jsonl(fsdp2_run / "metrics.jsonl")
+    assert_same_metrics(ddp, fsdp, keys=COMPARED + ("kl",))
+    assert fsdp[-1]["grad_norm"] > 0 and fsdp[-1]["kl"] > 0
+    a = load_file(str(ddp_run / "checkpoint-2" / "model.safetensors"))
+    b = load_file(str(fsdp2_run / "checkpoint-2" / "model.safetensors"))
+    assert a.keys() ^ b.keys() <= {"lm_head.weight"}  # DDP's names; the gathered copy may write the tied head too
+    assert max((a[k] - b[k]).abs().max().item() for k in a.keys() & b.keys()) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_fsdp2_resumes_exactly(assets, fsdp2_run, tmp_path):
+    finish(launch_fsdp2("train_grpo.py", cli(assets, tmp_path / "resumed", **DDP,
+                                            resume_from_checkpoint=str(fsdp2_run / "checkpoint-1"))))
+    full, resumed = read_jsonl(fsdp2_run / "metrics.jsonl"), read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == [2]
+    assert_same_metrics(full[1:], resumed, keys=COMPARED + ("kl",), rel=1e-6)
+    a = load_file(str(fsdp2_run / "checkpoint-2" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoint-2" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow
 @pytest.mark.full
 def test_use_vllm_on_two_processes_matches_one_process(assets, tmp_path):
@@ -608,3 +651,14 @@ def test_use_vllm_on_two_processes_matches_one_process(assets, tmp_path):
     alone = json.loads((tmp_path / "one" / "engine-0.json").read_text())
     assert not set(engines[0]["seeds"]) & set(engines[1]["seeds"])  # each process samples its own completions
     assert sorted(engines[0]["seeds"] + engines[1]["seeds"]) == sorted(alone["seeds"])
+    # --vllm_tensor_parallel_size 2: one engine over both processes, which generate both halves together and take
+    # their own back (the same completions: each keeps its seed)
+    finish(launch(worker, cli(assets, tmp_path / "tp", per_device_train_batch_size=4, vllm_tensor_parallel_size=2,
+                              **args), 2, config="cpu"))
+    tp = read_jsonl(tmp_path / "tp" / "metrics.jsonl")
+    for a, b in zip(m2, tp):
+        for key in ("reward", "loss", "completion_length", "grad_norm", "vllm/logp_diff_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    grouped = [json.loads((tmp_path / "tp" / f"engine-{rank}.json").read_text()) for rank in (0, 1)]
+    assert grouped[0]["seeds"] == grouped[1]["seeds"] == alone["seeds"]
+    assert all(e["tp"] == 2 and e["engine_seed"] == grouped[0]["engine_seed"] for e in grouped)

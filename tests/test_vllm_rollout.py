@@ -24,11 +24,10 @@ from utils.core.logprobs import CompletionLogProbs
 from utils.core.models import load_model_and_processor
 from utils.core.prompts import build_messages
 from utils.core.rollout import completion_mask, special_token_ids_to_suppress, stop_token_ids
+from utils.core.vllm_flags import FLAG_DEFAULTS
 from utils.core.vllm_rollout import (
-    FLAG_DEFAULTS,
     VLLMRollout,
     engine_kwargs,
-    iter_sync_weights,
     mm_processor_kwargs,
     prompt_token_ids,
     sampling_kwargs,
@@ -36,6 +35,7 @@ from utils.core.vllm_rollout import (
     unpack_outputs,
     vllm_prompts,
 )
+from utils.core.vllm_weights import iter_sync_weights
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,10 @@ def test_engine_arguments_from_flags_and_defaults():
     assert (vlm["gpu_memory_utilization"], vlm["max_num_seqs"], vlm["max_num_batched_tokens"]) == (0.55, 64, 8192)
     assert vlm["enable_sleep_mode"] is True and vlm["max_model_len"] == 1024 and vlm["dtype"] == "bfloat16"
     assert "max_model_len" not in engine_kwargs("/m", cfg(max_prompt_length=None), vision_language=False, seed=0)
+    passed = engine_kwargs("/m", cfg(vllm_tensor_parallel_size=2, vllm_model_impl="transformers",
+                                     vllm_max_model_length=777), vision_language=False, seed=0)
+    assert (passed["tensor_parallel_size"], passed["model_impl"], passed["max_model_len"]) == (2, "transformers", 777)
+    assert text["model_impl"] == "vllm"
 
 
 def test_pixel_budget_reaches_vllm(tiny):
@@ -413,3 +417,91 @@ def test_bad_importance_flags_fail_before_the_engine(tiny, clean_env):
         VLLMRollout("/tiny", Accelerator(cpu=True), cfg(vllm_importance_sampling_mode="per_token"), processor=tok,
                     model_config=model.config, vllm=FakeVLLM)
     assert FakeVLLM.engines == []
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA as a vLLM adapter (--vllm_lora_sync)
+# ----------------------------------------------------------------------------------------------
+
+
+def lora_flags(**over):
+    return cfg(**{**dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"],
+                         gradient_checkpointing=False), **over})
+
+
+def test_lora_rank_and_mode_rules():
+    from utils.core.vllm_flags import lora_sync_mode
+    from utils.core.vllm_weights import vllm_max_lora_rank
+
+    assert [vllm_max_lora_rank(r) for r in (1, 4, 16, 17, 320, 512, 513)] == [1, 8, 16, 32, 320, 512, None]
+    assert lora_sync_mode(cfg()) is None and lora_sync_mode(cfg(use_peft=False)) is None
+    assert lora_sync_mode(lora_flags()) == "adapter"  # auto, colocated
+    assert lora_sync_mode(lora_flags(vllm_mode="server")) == "merge"  # a server takes weights only
+    assert lora_sync_mode(lora_flags(lora_r=1024)) == "merge"  # over vLLM's largest rank
+    assert lora_sync_mode(lora_flags(vllm_lora_sync="merge")) == "merge"
+    kwargs = engine_kwargs("/m", cfg(), vision_language=False, seed=0, lora_rank=24)
+    assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_lora_rank"]) == (True, 1, 32)
+    assert "enable_lora" not in engine_kwargs("/m", cfg(), vision_language=False, seed=0)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_lora_adapter_goes_as_a_lora_request_with_new_ids_and_vllms_scaling(rollout_setup, rslora):
+    from utils.core.models import prepare_for_training
+    from utils.core.vllm_weights import vllm_lora_scaling
+
+    accelerator, model, processor, _ = rollout_setup
+    flags = lora_flags(lora_r=4 if not rslora else 16, lora_alpha=8)
+    peft = prepare_for_training(model, flags)
+    if rslora:  # PEFT's rank-stabilised scale alpha / sqrt(r): vLLM reads use_rslora from adapter_config.json
+        for layer in [m for m in peft.modules() if hasattr(m, "scaling") and isinstance(m.scaling, dict)]:
+            layer.scaling["default"] = 8 / math.sqrt(16)
+        peft.peft_config["default"].use_rslora = True
+    torch.manual_seed(0)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    policy = CompletionLogProbs(peft)
+    rollout = VLLMRollout("/tiny", accelerator, flags, processor=processor, model_config=model.config, vllm=FakeVLLM)
+    llm = FakeVLLM.engines[0]
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_loras"], llm.kwargs["max_lora_rank"]) == (True, 1, 8 if not
+                                                                                                   rslora else 16)
+    messages, images = vqa(1)
+    stop = stop_token_ids(model, processor.tokenizer)
+    for step in (0, 0, 1):
+        rollout.generate(policy, processor, messages, images, [1], step=step, stop_ids=stop)
+    assert llm.lora_ids == [1, 1, 2]  # a new id per sync, so vLLM loads the new adapter; the same within a step
+    assert ("remove_lora", 1) in llm.calls and not os.path.exists(os.path.join(rollout.lora_dir, "adapter-1"))
+    name, config, tensors = llm.adapters[2]
+    assert name == "policy-2" and config["r"] == (4 if not rslora else 16) and config["lora_alpha"] == 8
+    assert bool(config.get("use_rslora")) == rslora and config["peft_type"] == "LORA"
+    # the adapter covers the language model's layers; the vision tower's LoRA layers arrive merged as weights
+    adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in tensors if k.endswith("lora_A.weight")}
+    assert adapted and not any(".visual." in n or n.startswith("model.visual") for n in adapted)
+    assert {n.rsplit(".", 1)[-1] for n in adapted} == set(config["target_modules"])
+    loaded = set(llm.model.loaded)
+    assert not any(f"{n}.weight" in loaded for n in adapted)  # no merged copy of the adapted layers
+    assert loaded and all("visual" in n for n in loaded)  # only the tower's merged layers (nothing else trains)
+    # what vLLM computes from the adapter (base + scale * B A) is the policy's merged weight, layer by layer
+    merged = dict(iter_sync_weights(peft))
+    base = {n: p for n, p in peft.get_base_model().named_parameters()}
+    for layer in sorted(adapted)[:6]:
+        a = tensors[f"base_model.model.{layer}.lora_A.weight"]
+        b = tensors[f"base_model.model.{layer}.lora_B.weight"]
+        want = merged[f"{layer}.weight"]
+        got = base[f"{layer}.base_layer.weight"] + vllm_lora_scaling(config) * (b @ a)
+        assert torch.allclose(got, want, atol=1e-6), layer
+
+
+def test_lora_sync_merge_keeps_the_old_path(rollout_setup):
+    from utils.core.models import prepare_for_training
+
+    accelerator, model, processor, _ = rollout_setup
+    flags = lora_flags(vllm_lora_sync="merge")
+    peft = prepare_for_training(model, flags)
+    rollout = VLLMRollout("/tiny", accelerator, flags, processor=processor, model_config=model.config, vllm=FakeVLLM)
+    llm = FakeVLLM.engines[0]
+    messages, images = vqa(1)
+    rollout.generate(CompletionLogProbs(peft), processor, messages, images, [1], step=0,
+                     stop_ids=stop_token_ids(model, processor.tokenizer))
+    assert "enable_lora" not in llm.kwargs and llm.lora_ids == [None] and not llm.adapters
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in llm.model.loaded  # merged into the base

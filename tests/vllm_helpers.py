@@ -2,8 +2,11 @@
 recording the calls. Completions follow each request's seed and end at its first stop id; every sampled token
 gets the log-prob `FakeLLM.logprob`. Used by tests/test_vllm_rollout.py and by train_grpo's --use_vllm run."""
 
+import json
 import os
 from types import SimpleNamespace
+
+from safetensors.torch import load_file
 
 DIST_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -34,7 +37,9 @@ class FakeLLM:
         self.kwargs, self.calls, self.model = kwargs, [], FakeEngineModel()
         self.env = {k: os.environ.get(k) for k in DIST_KEYS}
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
+                                          remove_lora=lambda lora_id: self.calls.append(("remove_lora", lora_id)))
+        self.adapters, self.lora_ids = {}, []  # LoRA: what each request's adapter folder held, ids per generate
         FakeVLLM.engines.append(self)
 
     def sleep(self, level):
@@ -46,8 +51,17 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
-    def generate(self, prompts, params, use_tqdm):
+    def generate(self, prompts, params, use_tqdm, lora_request=None):
         self.calls.append(("generate", len(prompts)))
+        self.all_params = getattr(self, "all_params", []) + list(params)
+        self.lora_ids.append(None if lora_request is None else lora_request.lora_int_id)
+        if lora_request is not None and lora_request.lora_int_id not in self.adapters:  # vLLM loads it on first use
+            assert self.kwargs.get("enable_lora"), "a LoRA request to an engine built without enable_lora"
+            with open(os.path.join(lora_request.lora_path, "adapter_config.json")) as f:
+                config = json.load(f)
+            assert config["r"] <= self.kwargs["max_lora_rank"], "vLLM refuses an adapter over max_lora_rank"
+            tensors = load_file(os.path.join(lora_request.lora_path, "adapter_model.safetensors"))
+            self.adapters[lora_request.lora_int_id] = (lora_request.lora_name, config, tensors)
         self.prompts, self.params = prompts, params
         outs = []
         for prompt, p in zip(prompts, params):
@@ -62,6 +76,7 @@ class FakeLLM:
 class FakeVLLM:
     engines = []
     LLM = FakeLLM
+    lora = SimpleNamespace(request=SimpleNamespace(LoRARequest=lambda **kw: SimpleNamespace(**kw)))
 
     @staticmethod
     def SamplingParams(**kwargs):  # noqa: N802 - the vllm name

@@ -1,6 +1,7 @@
 """Rollouts with vLLM running in the training process (colocate mode), fed and masked like the HF path.
 
-Each process runs its own engine (tensor parallel 1, `external_launcher`) on its own GPU, next to the policy. The
+Each process runs its own engine (`external_launcher`; with --vllm_tensor_parallel_size t, one engine per t processes)
+on its own GPU, next to the policy. The
 engine sees what training scores: the trainer's own prompt token ids (placeholders expanded by the trainer's
 processor; same pixel budget, echoed ids checked), the same stop and suppressed ids, the same sampling flags,
 one seed per completion (a completion does not depend on how requests were batched). vLLM's log-prob of each
@@ -8,40 +9,30 @@ sampled token (`logprobs_mode="processed_logprobs"`) comes back with it; its gap
 truncated importance sampling corrects it (`utils.core.importance`, TRL's `vllm_importance_sampling_*`): token t's
 policy loss is multiplied by min(pi_train(t) / pi_vllm(t), cap).
 
-Weights go to the engine one parameter at a time (only that one gathered under ZeRO-3), LoRA merged one layer at a
-time into a temporary; frozen weights are never sent. Flags have defaults (`getattr(cfg, name, default)`), so any
-script's config works. Install: `pip install -r requirements-vllm.txt` (docs/distributed.md).
+Weights go to the engine one parameter at a time (only that one gathered under ZeRO-3), LoRA as vLLM adapter or merged
+one layer at a time into a temporary (`utils.core.vllm_weights`); frozen weights are never sent. The flags and their
+checks: `utils.core.vllm_flags`; server mode: `utils.core.vllm_server_rollout`. Install: `pip install -r
+requirements-vllm.txt` (docs/distributed.md).
 """
 
-import contextlib
+import atexit
+import json
 import math
 import os
+import shutil
 import socket
+import tempfile
 
 import torch
 
 from utils.core.encoding import encode_prompts
+from utils.core.fsdp import fsdp2_unsharded
 from utils.core.importance import importance_weights
-from utils.core.logprobs import hf_core
 from utils.core.rollout import completion_mask, special_token_ids_to_suppress
 from utils.core.video import vllm_video, vllm_video_processor_kwargs
+from utils.core.vllm_flags import flag, lora_sync_mode
+from utils.core.vllm_weights import adapter_files, adapter_layers, iter_sync_weights, vllm_max_lora_rank
 from utils.core.zero3 import parameter_gatherer
-
-FLAG_DEFAULTS = {
-    "vllm_gpu_memory_utilization": 0.3,  # share of the GPU's memory vLLM may take (weights, activations, KV)
-    "vllm_max_num_seqs": None,  # most sequences per engine step; none: vLLM's default
-    "vllm_max_num_batched_tokens": 4096,  # tokens per engine step (TRL's value: vLLM's profiler misjudges more)
-    "vllm_max_model_len": None,  # context window; none: --max_prompt_length + --max_completion_length
-    "vllm_enable_sleep_mode": False,  # free the engine's memory between generation rounds (sleep level 2)
-    "vllm_enforce_eager": False,  # no CUDA graphs (faster start, slower decoding)
-    "vllm_importance_sampling_correction": True,  # correct the sampler/trainer mismatch (on in TRL)
-    "vllm_importance_sampling_mode": "token_truncate",  # token or sequence ratio; truncate (cap) or mask (drop)
-    "vllm_importance_sampling_cap": 3.0,  # C: weights above it are cut to C (truncate) or to 0 (mask); TRL: 3
-}
-
-
-def flag(cfg, name):
-    return getattr(cfg, name, FLAG_DEFAULTS[name])
 
 
 def require_vllm():
@@ -53,7 +44,8 @@ def require_vllm():
             "`pip install -r requirements-vllm.txt`, or drop --use_vllm to generate with transformers"
         ) from err
     if not torch.cuda.is_available():
-        raise RuntimeError("--use_vllm runs on CUDA GPUs only; drop it on the CPU")
+        raise RuntimeError("--use_vllm runs colocated engines on CUDA GPUs only; drop it on the CPU (or generate on a "
+                           "server: --vllm_mode server)")
     return vllm
 
 
@@ -118,13 +110,15 @@ def mm_processor_kwargs(processor=None, cfg=None, video_budget=None):
 
 
 def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max_images_per_prompt=4,
-                  max_videos_per_prompt=0, model_type=None):
-    """Arguments of `vllm.LLM` for one colocated engine (`model_type`: the family, for its multimodal limits)."""
-    max_len = flag(cfg, "vllm_max_model_len")
+                  max_videos_per_prompt=0, model_type=None, lora_rank=None):
+    """Arguments of `vllm.LLM` for one colocated engine (`model_type`: the family, for its multimodal limits;
+    `lora_rank`: the rank of the LoRA adapter it will be given, for --vllm_lora_sync adapter)."""
+    max_len = flag(cfg, "vllm_max_model_len") or getattr(cfg, "vllm_max_model_length", None)  # TRL's name
     if max_len is None and getattr(cfg, "max_prompt_length", None):
         max_len = cfg.max_prompt_length + cfg.max_completion_length
     kwargs = dict(
-        model=str(model_path), tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+        model=str(model_path), tensor_parallel_size=int(flag(cfg, "vllm_tensor_parallel_size")),
+        distributed_executor_backend="external_launcher", model_impl=flag(cfg, "vllm_model_impl"),
         gpu_memory_utilization=flag(cfg, "vllm_gpu_memory_utilization"), seed=seed,
         dtype="bfloat16" if getattr(cfg, "bf16", False) else getattr(cfg, "dtype", "auto"),
         enable_sleep_mode=bool(flag(cfg, "vllm_enable_sleep_mode")),
@@ -135,6 +129,8 @@ def engine_kwargs(model_path, cfg, *, vision_language, seed, mm_kwargs=None, max
     optional = dict(max_model_len=max_len, max_num_seqs=flag(cfg, "vllm_max_num_seqs"),
                     max_num_batched_tokens=flag(cfg, "vllm_max_num_batched_tokens"))
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if lora_rank is not None:  # one adapter at a time: the policy's, replaced after every sync
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(lora_rank))
     if vision_language:  # vLLM refuses limit_mm_per_prompt for text-only models
         video = {"video": 0} if model_type in VIDEO_FAMILIES else {}
         if max_videos_per_prompt:
@@ -179,84 +175,103 @@ def vllm_prompts(token_ids, images, videos=None):
 
 def unpack_outputs(outputs, sent_ids, *, pad_token_id, stop_ids):
     """(completion_ids [B, L], completion_mask [B, L], sampler log-probs [B, L] fp32 or None) from vLLM's
-    request outputs. The mask is the HF path's (up to and including the first stop id). Log-probs are 0 after
-    a completion's end and NaN where vLLM returned none."""
-    for i, (out, sent) in enumerate(zip(outputs, sent_ids)):
-        echoed = list(out.prompt_token_ids)
-        if echoed != list(sent):
-            raise RuntimeError(
-                f"vLLM turned prompt {i} into {len(echoed)} tokens where the trainer has {len(sent)}: its image "
-                "processor resized the images differently (pixel budget: --max_pixels / --min_pixels)")
+    request outputs (`pack_completions` on their ids and log-probs)."""
     rows = [list(o.outputs[0].token_ids) for o in outputs]
+    logps = None
+    if all(o.outputs[0].logprobs is not None for o in outputs):
+        logps = [[entry[t].logprob if t in entry else math.nan for t, entry in zip(row, o.outputs[0].logprobs)]
+                 for row, o in zip(rows, outputs)]
+    return pack_completions(rows, logps, [list(o.prompt_token_ids) for o in outputs], sent_ids,
+                            pad_token_id=pad_token_id, stop_ids=stop_ids)
+
+
+def pack_completions(rows, logps, echoed, sent_ids, *, pad_token_id, stop_ids, where="vLLM"):
+    """(completion_ids [B, L], completion_mask [B, L], log-probs [B, L] fp32 or None) from the engine's sampled
+    token ids (one list per completion), their log-probs (lists, NaN where missing; or None) and the prompt ids it
+    echoed, which must be the trainer's. The mask is the HF path's (up to and including the first stop id).
+    Log-probs are 0 after a completion's end."""
+    for i, (echo, sent) in enumerate(zip(echoed, sent_ids)):
+        if list(echo) != list(sent):
+            raise RuntimeError(
+                f"{where} turned prompt {i} into {len(echo)} tokens where the trainer has {len(sent)}: its image "
+                "processor resized the images differently (pixel budget: --max_pixels / --min_pixels; a server "
+                "takes them as vllm_serve.py --mm_processor_kwargs)")
     width = max([1] + [len(r) for r in rows])
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    logps = torch.zeros(len(rows), width)
-    have_logps = all(o.outputs[0].logprobs is not None for o in outputs)
-    for i, (row, out) in enumerate(zip(rows, outputs)):
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        if have_logps:
-            for t, (token, entry) in enumerate(zip(row, out.outputs[0].logprobs)):
-                logps[i, t] = entry[token].logprob if token in entry else math.nan
+        if logps is not None:
+            out[i, : len(row)] = torch.tensor(logps[i], dtype=torch.float32)
     lengths = torch.tensor([len(r) for r in rows])
     mask = (torch.arange(width)[None, :] < lengths[:, None]).long() * completion_mask(ids, list(stop_ids))
-    return ids, mask, (logps if have_logps else None)
+    return ids, mask, (out if logps is not None else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# Weight sync
-# ----------------------------------------------------------------------------------------------
+def _lora_request_class(vllm):
+    try:
+        return vllm.lora.request.LoRARequest
+    except AttributeError:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest
 
 
-def _lora_layers(core):
-    from peft.tuners.lora import LoraLayer
-
-    return {name: m for name, m in core.named_modules() if isinstance(m, LoraLayer)}
-
-
-def _merged_lora_weight(name, layer):
-    """base weight + the deltas of the active adapters, in a new tensor (the base weight is not touched)."""
-    base = layer.get_base_layer().weight
-    if getattr(layer, "merged", False):
-        return base.data
-    delta = None
-    for adapter in layer.active_adapters:
-        if adapter not in getattr(layer, "lora_A", {}) and adapter not in getattr(layer, "lora_embedding_A", {}):
-            continue
-        if adapter in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(adapter):
-            raise ValueError(f"vLLM weight sync: {name} uses a LoRA variant (DoRA, lora_bias...); only plain LoRA "
-                             "adapters are merged layer by layer")
-        d = layer.get_delta_weight(adapter).float()
-        delta = d if delta is None else delta.add_(d)
-    return base.data if delta is None else delta.add_(base.data.float()).to(base.dtype)
+def request_inputs(rollout, policy, processor, messages, images, seeds, *, step, stop_ids, suppress_ids, prompt_batch,
+                   prompt_index, videos=None):
+    """What a generate call sends, checked: (tokenizer, suppressed ids, the prompt ids of each completion). The
+    engine first takes the policy's weights when `step` moved on (`rollout.sync_weights`)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if suppress_ids is None:
+        suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
+    if prompt_batch is None:
+        prompt_batch, prompt_index = encode_prompts(processor, messages, images, videos=videos,
+                                                    sample_ids=[str(i) for i in range(len(messages))]), None
+    sent = prompt_token_ids(prompt_batch, prompt_index)
+    if not len(sent) == len(images) == len(seeds):
+        raise ValueError(f"vLLM generate: {len(sent)} prompts, {len(images)} image lists and {len(seeds)} seeds; "
+                         "give one of each per completion")
+    if rollout._synced_step != step:
+        rollout.sync_weights(policy)
+        rollout._synced_step = step
+    return tokenizer, suppress_ids, sent
 
 
-def iter_sync_weights(model, gather=None):
-    """(name, tensor) pairs to load into vLLM, with checkpoint names, one at a time.
+def on_device(ids, mask, logps, device, return_logprobs):
+    """A generate call's answer: (ids, mask) or (ids, mask, sampler log-probs) on the policy's device."""
+    if not return_logprobs:
+        return ids.to(device), mask.to(device)
+    if logps is None:
+        raise RuntimeError("vLLM returned no log-probs for the sampled tokens (SamplingParams.logprobs=0)")
+    return ids.to(device), mask.to(device), logps.to(device)
 
-    `gather(params)` is a context manager that materialises those parameters (DeepSpeed ZeRO-3's
-    `GatheredParameters`; none otherwise): it is entered for one parameter, or for one LoRA layer (its base
-    weight and adapters), while its tensor is handed out. Frozen parameters are skipped unless LoRA adapters
-    are merged into them. Every process must iterate (under ZeRO-3 each gather is a collective).
-    """
-    gather = gather or (lambda params: contextlib.nullcontext())
-    core = hf_core(model)
-    lora = _lora_layers(core) if hasattr(model, "peft_config") else {}
-    for name, param in core.named_parameters():
-        if "lora_" in name or ".original_module." in name:
-            continue  # adapters are merged into their layer's weight; the copy modules_to_save replaced
-        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        clean = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        if owner in lora and name.endswith(".base_layer.weight"):
-            layer = lora[owner]
-            with gather(list(layer.parameters())):
-                yield clean, _merged_lora_weight(owner, layer)
-        elif param.requires_grad:
-            with gather([param]):
-                yield clean, param.data
+
+def tensor_parallel_group(world_size, tp):
+    """This process's group of `tp` consecutive ranks (every process takes part in making all of them)."""
+    if world_size % tp:
+        raise ValueError(f"--vllm_tensor_parallel_size {tp} does not divide the {world_size} processes")
+    group, _ = torch.distributed.new_subgroups_by_enumeration(
+        [list(range(start, start + tp)) for start in range(0, world_size, tp)])
+    return group
+
+
+def gather_in_group(parts, group, rank_in_group):
+    """Each list of `parts` concatenated over the group's processes in rank order, and the slice of this process's
+    entries (None entries, e.g. no videos, stay None when every process has None)."""
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, parts, group=group)
+    start = sum(len(p[0]) for p in gathered[:rank_in_group])
+    joined = []
+    for k in range(len(parts)):
+        pieces = [p[k] for p in gathered]
+        joined.append(None if all(x is None for x in pieces) else
+                      [x for piece, p in zip(pieces, gathered) for x in (piece or [None] * len(p[0]))])
+    return tuple(joined), slice(start, start + len(parts[0]))
 
 
 class VLLMRollout:
-    """One colocated vLLM engine per process. `vllm` (the module) is injectable for tests."""
+    """One colocated vLLM engine per process (or per --vllm_tensor_parallel_size processes). `vllm` (the module) is
+    injectable for tests."""
 
     def __init__(self, model_path, accelerator, cfg, *, processor=None, model_config=None, max_images_per_prompt=4,
                  vllm=None, max_videos_per_prompt=0, video_budget=None):
@@ -272,15 +287,29 @@ class VLLMRollout:
         importance_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), mode=mode,
                            cap=flag(cfg, "vllm_importance_sampling_cap"))  # bad flags fail before the engine starts
         set_distributed_env(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes)
+        # --vllm_tensor_parallel_size t: each engine spans t consecutive processes, which generate their prompts
+        # together (TRL's grouping) and share a seed
+        self.tp = int(flag(cfg, "vllm_tensor_parallel_size"))
+        self.tp_group = tensor_parallel_group(accelerator.num_processes, self.tp) if self.tp > 1 else None
+        # LoRA (--vllm_lora_sync): the adapter goes to vLLM as a LoRA request from a folder of this process
+        self.lora_mode, self.lora_request, self._lora_id = lora_sync_mode(cfg), None, 0
+        if self.lora_mode == "adapter":
+            self.lora_dir = tempfile.mkdtemp(prefix=f"mmgrpo-lora-{accelerator.process_index}-",
+                                             dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            atexit.register(shutil.rmtree, self.lora_dir, True)
         self.llm = vllm.LLM(**engine_kwargs(
-            model_path, cfg, vision_language=self.vision_language, seed=cfg.seed + accelerator.process_index,
+            model_path, cfg, vision_language=self.vision_language, seed=cfg.seed + accelerator.process_index // self.tp,
             mm_kwargs=mm_processor_kwargs(processor, cfg, video_budget), max_images_per_prompt=max_images_per_prompt,
-            max_videos_per_prompt=max_videos_per_prompt, model_type=getattr(model_config, "model_type", None)))
+            max_videos_per_prompt=max_videos_per_prompt, model_type=getattr(model_config, "model_type", None),
+            lora_rank=cfg.lora_r if self.lora_mode == "adapter" else None))
         self.sleep_mode = bool(flag(cfg, "vllm_enable_sleep_mode"))
         self._synced_step, self._asleep = None, set()
         if self.sleep_mode:  # leave the memory to training until the first generation round
             self.sleep()
         accelerator.wait_for_everyone()
+
+    def sync_after_step(self, policy, step):
+        """Colocated engines take the new weights before the next round (`generate`), not after every step."""
 
     def _engine_model(self):
         worker = self.llm.llm_engine.model_executor.driver_worker
@@ -300,11 +329,34 @@ class VLLMRollout:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        model = self.accelerator.unwrap_model(policy).model
-        engine = self._engine_model()
-        for name, tensor in iter_sync_weights(model, parameter_gatherer(self.accelerator, policy)):
-            engine.load_weights([(name, tensor)])
+        wrapper = self.accelerator.unwrap_model(policy)
+        engine, gather = self._engine_model(), parameter_gatherer(self.accelerator, policy)
+        layers = adapter_layers(wrapper.model) if self.lora_mode == "adapter" else {}
+        with fsdp2_unsharded(wrapper):  # FSDP2: whole weights while they are read (a no-op otherwise)
+            for name, tensor in iter_sync_weights(wrapper.model, gather, adapter_layers=layers):
+                engine.load_weights([(name, tensor)])
+            if layers:
+                self._load_adapter(wrapper.model, layers, gather)
         self.llm.reset_prefix_cache()
+
+    def _load_adapter(self, model, layers, gather):
+        """The policy's adapter as a new LoRA request (a new id, so vLLM loads it); the previous one is dropped."""
+        from safetensors.torch import save_file
+
+        config, tensors = adapter_files(model, layers, gather)
+        self._lora_id += 1
+        folder = os.path.join(self.lora_dir, f"adapter-{self._lora_id}")
+        os.makedirs(folder)
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        old, self.lora_request = self.lora_request, _lora_request_class(self.vllm)(
+            lora_name=f"policy-{self._lora_id}", lora_int_id=self._lora_id, lora_path=folder)
+        if old is not None:
+            remove = getattr(self.llm.llm_engine, "remove_lora", None)
+            if remove is not None:
+                remove(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def generate(self, policy, processor, messages, images, seeds, *, step, stop_ids, suppress_ids=None,
                  prompt_batch=None, prompt_index=None, return_logprobs=False, videos=None):
@@ -316,32 +368,24 @@ class VLLMRollout:
         `utils.core.rollout.stop_token_ids` / `special_token_ids_to_suppress` (computed here when not given). `videos`:
         per completion, its `utils.core.video.Clip`s (the frames the trainer's processor got).
         """
-        tokenizer = getattr(processor, "tokenizer", processor)
-        if suppress_ids is None:
-            suppress_ids = special_token_ids_to_suppress(tokenizer, stop_ids)
         for i, imgs in enumerate(images):
             if len(imgs) > self.max_images:
                 raise ValueError(f"prompt {i} has {len(imgs)} images; the vLLM engine takes at most {self.max_images}")
-        if prompt_batch is None:
-            prompt_batch, prompt_index = encode_prompts(processor, messages, images, videos=videos,
-                                                        sample_ids=[str(i) for i in range(len(messages))]), None
-        sent = prompt_token_ids(prompt_batch, prompt_index)
-        if not len(sent) == len(images) == len(seeds):
-            raise ValueError(f"vLLM generate: {len(sent)} prompts, {len(images)} image lists and {len(seeds)} seeds; "
-                             "give one of each per completion")
-        if self._synced_step != step:
-            self.sync_weights(policy)
-            self._synced_step = step
+        tokenizer, suppress_ids, sent = request_inputs(self, policy, processor, messages, images, seeds, step=step,
+                                                       stop_ids=stop_ids, suppress_ids=suppress_ids,
+                                                       prompt_batch=prompt_batch, prompt_index=prompt_index,
+                                                       videos=videos)
         if "kv_cache" in self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep.discard("kv_cache")
+        requests, mine = (sent, images, videos, seeds), slice(0, len(sent))
+        if self.tp_group is not None:  # the engine generates the whole tensor-parallel group's prompts
+            requests, mine = gather_in_group(requests, self.tp_group, self.accelerator.process_index % self.tp)
+        all_sent, all_images, all_videos, all_seeds = requests
         params = [self.vllm.SamplingParams(**sampling_kwargs(self.cfg, seed=s, stop_ids=stop_ids,
-                                                             suppress_ids=suppress_ids)) for s in seeds]
-        outputs = self.llm.generate(vllm_prompts(sent, images, videos), params, use_tqdm=False)
-        ids, mask, logps = unpack_outputs(outputs, sent, pad_token_id=tokenizer.pad_token_id, stop_ids=stop_ids)
-        device = self.accelerator.device
-        if not return_logprobs:
-            return ids.to(device), mask.to(device)
-        if logps is None:
-            raise RuntimeError("vLLM returned no log-probs for the sampled tokens (SamplingParams.logprobs=0)")
-        return ids.to(device), mask.to(device), logps.to(device)
+                                                             suppress_ids=suppress_ids)) for s in all_seeds]
+        lora = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outputs = self.llm.generate(vllm_prompts(all_sent, all_images, all_videos), params, use_tqdm=False, **lora)
+        ids, mask, logps = unpack_outputs(outputs[mine], sent, pad_token_id=tokenizer.pad_token_id,
+                                          stop_ids=stop_ids)
+        return on_device(ids, mask, logps, self.accelerator.device, return_logprobs)
