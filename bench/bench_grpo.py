@@ -1,17 +1,20 @@
 """One GRPO step, ours (train_grpo.py) against TRL's GRPOTrainer, on the CPU, on three workloads.
 
-    python bench/bench_grpo.py                      # the three workloads, tiny Qwen2.5-VL (hidden 256, 4 layers)
+    python bench/bench_grpo.py                      # the four workloads, tiny Qwen2.5-VL (hidden 256, 4 layers)
     python bench/bench_grpo.py --threads 1 --repeats 2 --json bench_grpo.json
     python bench/bench_grpo.py --workloads short --quick   # hidden 128, 2 layers, 16 new tokens, 1 + 2 steps
 
-Workloads (`--workloads`, default all three, each with its target):
+Workloads (`--workloads`, default all four, each with its target):
   short     an 84 px image (9 image tokens) and a one-line question with no system prompt (~38 prompt tokens),
-            completions of natural length (up to 64 tokens): what a new user tries first. Target >= 1.2x TRL.
+            completions of natural length (up to 64 tokens): what a new user tries first. Target >= 1.3x TRL.
+  short8x8  the short prompts, 8 prompts x 8 completions a step (64 completions), 12 timed steps: the
+            independent check's workload, where the rollout's per-token overhead shows. Target >= 1.3x TRL.
   image448  the same question with a 448 px image: 256 image tokens, a real VLM prompt (~285 tokens), natural
             length. Target >= 2x TRL.
   forced    the CRYSTAL JSON system prompt with the 84 px image (126 prompt tokens), every completion forced to
             64 tokens (equal work on both sides: TRL through `generation_kwargs={"min_new_tokens": N}`, ours by
             adding the EOS ids to the tokens its sampler suppresses; train_grpo.py has no min-length flag).
+            Target >= 1.3x TRL.
   longtail  the 448 px image (256 image tokens), completions forced to the maximum as in `forced`, then each cut
             to a length drawn log-normal (bench/bench_packing.py's `longtail_lengths`: median max / 8, a few
             at the maximum), the same draws on both sides, as if it had stopped there: the workload where
@@ -22,9 +25,9 @@ Targets hold at no more peak memory than TRL. Natural lengths differ between the
 random streams), so the mean completion length of each side is printed next to its time.
 
 Both sides get the same model folder, the same shapes-VQA rows, the same `format` + `accuracy` rewards, G = 8,
-8 completions per step, beta = 0.04 (so both load a reference model), temperature 1, the same learning rate,
-`loss_type` dapo, one optimisation pass per generation, fp32. TRL (a dev-only install, requirements-dev.txt)
-is skipped with a message when it is not importable.
+8 completions per step (64 in short8x8), beta = 0.04 (so both load a reference model), temperature 1, the same
+learning rate, `loss_type` dapo, one optimisation pass per generation, fp32. TRL (a dev-only install,
+requirements-dev.txt) is skipped with a message when it is not importable.
 
 Each framework runs in its own fresh process (one after the other, never at once), with the same torch
 and OpenMP thread count, so the peak RSS (ru_maxrss) is that framework's alone. On a machine other jobs
@@ -57,28 +60,31 @@ PHASES = ("generation", "logprob", "rewards", "backward")
 FRAMEWORKS = ("ours", "ours_padded", "trl")
 DEFAULT_FRAMEWORKS = ("ours", "trl")
 
-FULL = dict(hidden_size=256, num_hidden_layers=4, max_completion_length=64, steps=5)
-QUICK = dict(hidden_size=128, num_hidden_layers=2, max_completion_length=16, steps=2)
+FULL = dict(hidden_size=256, num_hidden_layers=4, max_completion_length=64, steps=5, batch_size=8)
+QUICK = dict(hidden_size=128, num_hidden_layers=2, max_completion_length=16, steps=2, batch_size=8)
+# A workload's own `steps` / `batch_size` replace the defaults unless the command line sets them (--quick too).
 WORKLOADS = {
-    "short": dict(image_size=84, template="plain", force_length=False, target=1.2),
+    "short": dict(image_size=84, template="plain", force_length=False, target=1.3),
+    "short8x8": dict(image_size=84, template="plain", force_length=False, target=1.3, batch_size=64, steps=12),
     "image448": dict(image_size=448, template="plain", force_length=False, target=2.0),
-    "forced": dict(image_size=84, template="crystal_json", force_length=True, target=1.2),
+    "forced": dict(image_size=84, template="crystal_json", force_length=True, target=1.3),
     "longtail": dict(image_size=448, template="plain", force_length=True, longtail=True, target=1.5),
 }
-DEFAULT_WORKLOADS = ("short", "image448", "forced")
+DEFAULT_WORKLOADS = ("short", "short8x8", "image448", "forced")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller model, 16 tokens, 2 timed steps")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, short8x8 12; --quick 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (default 1)")
     p.add_argument("--hidden_size", type=int, default=None)
     p.add_argument("--num_hidden_layers", type=int, default=None)
     p.add_argument("--max_completion_length", type=int, default=None, help="new tokens (default 64; --quick 16)")
     p.add_argument("--num_generations", type=int, default=8)
-    p.add_argument("--batch_size", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--batch_size", type=int, default=None,
+                   help="completions per step (per_device_train_batch_size; default 8, short8x8 64)")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--learning_rate", type=float, default=1e-6)
     p.add_argument("--loss_type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
@@ -87,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient_checkpointing", action="store_true",
                    help="turn it on in both (TRL's default is on, ours off; both off by default here)")
     p.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=list(WORKLOADS),
-                   help="which workloads to run (default: short, image448, forced)")
+                   help="which workloads to run (default: short, short8x8, image448, forced)")
     p.add_argument("--frameworks", nargs="+", default=list(DEFAULT_FRAMEWORKS), choices=FRAMEWORKS)
     p.add_argument("--repeats", type=int, default=1, help="run every framework this many times (alternating)")
     p.add_argument("--workdir", default=None, help="where the model, data and run folders go (default: a temp dir)")
@@ -98,15 +104,29 @@ def parse_args(argv=None):
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.fixed = {key for key in ("steps", "batch_size") if getattr(args, key) is not None}  # the command line's
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
-    if args.batch_size % args.num_generations:
-        p.error(f"--batch_size {args.batch_size} must be a multiple of --num_generations {args.num_generations}")
+    if args.quick:
+        args.fixed |= {"steps", "batch_size"}
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    for workload in args.workloads:
+        steps, batch = workload_setting(args, workload, "steps"), workload_setting(args, workload, "batch_size")
+        if steps < 1:
+            p.error("--steps must be >= 1")
+        if batch % args.num_generations:
+            p.error(f"--batch_size {batch} ({workload}) must be a multiple of --num_generations {args.num_generations}")
     return args
+
+
+def workload_setting(args, workload, key):
+    """`key` (steps, batch_size) for `workload`: the command line's value, else the workload's own, else the default."""
+    if key in args.fixed:
+        return getattr(args, key)
+    return WORKLOADS[workload].get(key, getattr(args, key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,17 +431,18 @@ def main(args):
     for workload in args.workloads:
         load = WORKLOADS[workload]
         model, data = prepare(args, workdir, load["image_size"])
-        spec = dict(model=model, data=data, G=args.num_generations, batch=args.batch_size,
+        batch, steps = workload_setting(args, workload, "batch_size"), workload_setting(args, workload, "steps")
+        spec = dict(model=model, data=data, G=args.num_generations, batch=batch,
                     max_completion_length=args.max_completion_length, beta=args.beta, loss_type=args.loss_type,
-                    learning_rate=args.learning_rate, warmup=args.warmup, steps=args.steps, threads=args.threads,
+                    learning_rate=args.learning_rate, warmup=args.warmup, steps=steps, threads=args.threads,
                     force_length=load["force_length"], template=load["template"], seed=args.seed,
                     longtail=load.get("longtail", False),
                     gradient_checkpointing=args.gradient_checkpointing)
         print(f"\n=== workload {workload}: {load['image_size']} px image, {load['template']} prompt, "
               f"{'forced' if load['force_length'] else 'natural'} length (max {args.max_completion_length} new "
               f"tokens); tiny Qwen2.5-VL hidden {args.hidden_size} x {args.num_hidden_layers} layers; "
-              f"G {args.num_generations}, {args.batch_size} completions/step, beta {args.beta}, {args.warmup} warm-up "
-              f"+ {args.steps} timed steps, {args.threads} threads; workdir {workdir}")
+              f"G {args.num_generations}, {batch} completions/step, beta {args.beta}, {args.warmup} warm-up "
+              f"+ {steps} timed steps, {args.threads} threads; workdir {workdir}")
         runs = []
         for repeat in range(args.repeats):
             rows = []
@@ -429,7 +450,7 @@ def main(args):
                 tag = f"{workload}-{framework}-{repeat}"
                 result = run_worker(framework, dict(spec, output_dir=os.path.join(workdir, f"run-{tag}")), workdir,
                                     tag)
-                row = summarize(result, args.warmup, args.batch_size)
+                row = summarize(result, args.warmup, batch)
                 row["process_seconds"] = result["process_seconds"]
                 rows.append(row)
             ratios = print_table(rows, f"{workload}: run {repeat + 1} of {args.repeats}", load["target"])
@@ -437,7 +458,8 @@ def main(args):
         results[workload] = dict(target=load["target"], runs=runs)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config={k: v for k, v in vars(args).items() if k not in ("worker", "spec", "result")},
+            json.dump(dict(config={k: v for k, v in vars(args).items()
+                                   if k not in ("worker", "spec", "result", "fixed")},
                            workloads=results), f, indent=2)
         print(f"wrote {args.json}")
     return results

@@ -112,7 +112,8 @@ class CompiledRollout:
             first, _ = generate_completions(model, batch, row_seeds=row_seeds, max_new_tokens=1,
                                             temperature=temperature, top_k=top_k, top_p=top_p,
                                             eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                            suppress_token_ids=suppress_token_ids, prompt_index=prompt_index)
+                                            suppress_token_ids=suppress_token_ids, prompt_index=prompt_index,
+                                            decoder="generate")
         eos = torch.tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],
                            device=first.device)
         unfinished = ~torch.isin(first[:, 0], eos)

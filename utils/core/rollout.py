@@ -1,25 +1,33 @@
-"""Rollouts with HF `generate`, shared by the RL scripts and the held-out evaluation: one sampled completion per
-row (a group's prompt prefilled once when the model allows it), the stop-token rule, the completion mask and
-truncation. The sampling noise is `utils.core.seeds`, prompt batches are `utils.core.encoding`, ZeRO-3 gathering around
-generation is `utils.core.zero3`, and the log-probs of the sampled completions are `utils.core.logprobs`.
+"""Rollouts, shared by the RL scripts and the held-out evaluation: one sampled completion per row (a group's prompt
+prefilled once when the model allows it), the stop-token rule, the completion mask and truncation. The sampling noise
+is `utils.core.seeds`, prompt batches are `utils.core.encoding`, ZeRO-3 gathering around generation is
+`utils.core.zero3`, and the log-probs of the sampled completions are `utils.core.logprobs`.
+
+HF `generate` prepares every input (positions, masks, images, the cache, the logits processors) and prefills; the
+decoding that follows runs in `lean_decode`, our own loop over the same model calls and the same processors, with the
+ids and the full-attention KV cache in buffers allocated once and the stop rule one tensor op. `generate`'s own loop
+(`decoder="generate"`) stays the reference: both sample the same tokens (tests/test_lean_decode.py).
 """
 
+import contextlib
 import inspect
 import os
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
 
 from utils.core.errors import InputError
 from utils.core.seeds import GumbelSampler
 
 # Chat templates end an assistant turn with one of these; generation must stop there too.
 END_OF_TURN_TOKENS = ("<|im_end|>",)
+DECODERS = ("lean", "generate")
 
 
 @torch.no_grad()
 def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature, top_k=None, top_p=None,
-                         eos_token_id, pad_token_id, suppress_token_ids=(), prompt_index=None):
+                         eos_token_id, pad_token_id, suppress_token_ids=(), prompt_index=None, decoder="lean"):
     """Sample one completion per row; returns (completion_ids [B, L], completion_mask [B, L]).
 
     The mask covers tokens up to and including the first EOS; rows are padded with pad_token_id.
@@ -30,10 +38,15 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
     once: its prefill (vision tower included) runs once and the KV cache is shared by its completions, as in the
     training pass (`utils.core.logprobs`). Only for models `can_share_prompts` accepts.
 
+    `decoder`: "lean" (`lean_decode`, where the installed transformers has the generation hooks it needs) or
+    "generate" (HF's own decoding loop, the reference).
+
     `model` must hold whole weights (under ZeRO-3: inside `unwrap_for_generation`), so no process waits on another:
     transformers would otherwise turn on `synced_gpus` under ZeRO-3, and processes that make different numbers of
     calls (an uneven share of held-out rows) would hang in its per-token all-reduce.
     """
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder {decoder!r} is not one of {DECODERS}")
     check_no_logits_shaping(model)
     cache = None
     if prompt_index is not None:
@@ -47,10 +60,178 @@ def generate_completions(model, batch, *, row_seeds, max_new_tokens, temperature
         suppress_tokens=list(suppress_token_ids) or None, **NEUTRAL_PROCESSORS,
     )
     shared = cache_kwargs(model, cache) if cache is not None else {}
+    lean = {"custom_generate": lean_decode} if decoder == "lean" and lean_decode_available(model) else {}
     out = model.generate(**batch, **shared, generation_config=config, logits_processor=LogitsProcessorList([sampler]),
-                         synced_gpus=False)
+                         synced_gpus=False, **lean)
     completion = out[:, prompt_length:]
     return completion, completion_mask(completion, eos_token_id)
+
+
+def lean_decode_available(model):
+    """Whether this transformers has what `lean_decode` calls (`generate`'s prefill and kwargs update)."""
+    return all(hasattr(model, name) for name in ("_prefill", "prepare_inputs_for_generation",
+                                                 "_update_model_kwargs_for_generation"))
+
+
+def lean_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+    """`generate`'s greedy loop (`custom_generate`) over what `generate` prepared: the same prefill, model inputs,
+    logits processors (our Gumbel sampler last, so greedy is a sample) and stop rule, without its per-token
+    bookkeeping. The token ids fill a buffer of the final length; full-attention KV layers are moved into buffers
+    of the final length after the prefill and filled in place (DynamicLayer copies its whole cache at every token);
+    a row stops at its first EOS and the loop when every row has, or at max_new_tokens. Returns prompt + completion
+    ids as `generate` does.
+
+    Finished rows leave the model's batch (`Compaction`) once a quarter of it has finished: `generate` keeps
+    decoding them, padded, until the last row ends. A row's logits do not depend on the other rows of its batch
+    except through the GEMM kernel a batch size picks; the batch never shrinks below MIN_ROWS rows, under which
+    the CPU's kernels round differently (tests/test_lean_decode.py compares the tokens with `generate`'s)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    unknown = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+    if synced_gpus or streamer is not None or generation_config.return_dict_in_generate or unknown:
+        raise ValueError("lean_decode: synced_gpus, streamers, dict outputs and stopping criteria other than the "
+                         f"length and EOS ({', '.join(unknown) or 'none here'}) are generate's (decoder='generate')")
+    batch, prompt_length = input_ids.shape
+    total = generation_config.max_length
+    eos = torch.as_tensor(generation_config.eos_token_id or [], device=input_ids.device).reshape(-1)
+    pad = generation_config._pad_token_tensor.to(input_ids.device)
+    ids = input_ids.new_full((batch, total), int(pad))
+    ids[:, :prompt_length] = input_ids
+    compaction = Compaction.for_decoding(model, logits_processor, model_kwargs, batch)
+    running = torch.ones(batch, dtype=torch.bool, device=input_ids.device)  # rows of the model's batch
+    optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    length = prompt_length
+    with optimized():
+        while True:
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+            if length == prompt_length:
+                preallocate_cache(model_kwargs.get("cache"), total)
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+            del outputs
+            rows = compaction.rows
+            held = ids[:, :length] if rows is None else ids[rows, :length]
+            for processor in logits_processor:  # (the list's own call inspects each signature at every token)
+                logits = processor(held, logits)
+            token = torch.where(running, logits.argmax(-1), pad)
+            if rows is None:
+                ids[:, length] = token
+            else:
+                ids[rows, length] = token
+            running &= ~torch.isin(token, eos)
+            length += 1
+            left = int(running.sum())
+            if length == total or left == 0:
+                return ids[:, :length]
+            if compaction.due(left, running.numel()):
+                running, model_kwargs = compaction.keep(model, running, model_kwargs, logits_processor)
+            held = ids[:, :length] if compaction.rows is None else ids[compaction.rows, :length]
+            inputs = model.prepare_inputs_for_generation(held, next_sequence_length=1, **model_kwargs)
+            outputs = model(**inputs, return_dict=True)
+
+
+# The model inputs `generate` carries from step to step with one row per sequence (batch dimension first; position
+# ids may carry a leading rope-section dimension), and the inputs it only forwards in the prefill.
+PER_ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
+PREFILL_ONLY_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes", "image_position_ids",
+                       "video_position_ids")
+
+
+class Compaction:
+    """Which rows of the decoding batch the model still runs, and the selection of every per-row state when
+    finished rows leave: the model inputs `generate` carries (PER_ROW_INPUTS), the KV cache, Qwen-VL's rope
+    offsets on the model, and the Gumbel sampler's noise. Off (`rows` None throughout) where a processor, an input
+    or a cache layer is not one it knows how to select."""
+
+    MIN_ROWS = 4
+
+    def __init__(self, enabled):
+        self.enabled, self.rows = enabled, None
+
+    @classmethod
+    def for_decoding(cls, model, logits_processor, model_kwargs, batch):
+        from transformers.generation import logits_process as lp
+        from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
+
+        row_free = (lp.SuppressTokensLogitsProcessor, lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor)
+        known = all(isinstance(p, (*row_free, GumbelSampler)) for p in logits_processor)
+        unknown_inputs = [k for k, v in model_kwargs.items() if torch.is_tensor(v) and k not in PER_ROW_INPUTS
+                          and k not in PREFILL_ONLY_INPUTS and k not in MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL]
+        cache = model_kwargs.get("cache")
+        selectable = cache is None or (isinstance(cache, DynamicCache) and all(
+            hasattr(type(layer), "batch_select_indices") for layer in cache.layers))
+        return cls(known and not unknown_inputs and selectable and batch > cls.MIN_ROWS)
+
+    def due(self, left, held):
+        return self.enabled and left <= 0.75 * held and held > self.MIN_ROWS
+
+    def keep(self, model, running, model_kwargs, logits_processor):
+        """Drop the finished rows (keeping MIN_ROWS rows at least); returns (running, model_kwargs) of the rows
+        kept."""
+        keep = running.nonzero().squeeze(1)
+        if keep.numel() < self.MIN_ROWS:  # fill up with finished rows, which decode padding as in `generate`
+            keep = torch.cat([keep, (~running).nonzero().squeeze(1)[: self.MIN_ROWS - keep.numel()]]).sort().values
+        cache, held = model_kwargs.get("cache"), running.numel()
+        for name in PER_ROW_INPUTS:
+            value = model_kwargs.get(name)
+            if torch.is_tensor(value):
+                model_kwargs[name] = value.index_select(value.dim() - 2, keep)  # [.., rows, positions]
+        for name in PREFILL_ONLY_INPUTS:
+            model_kwargs.pop(name, None)
+        if cache is not None:
+            cache.batch_select_indices(keep)
+        for module in _rope_holders(model):
+            if module.rope_deltas.shape[0] == held:
+                module.rope_deltas = module.rope_deltas[keep]
+        for processor in logits_processor:
+            if isinstance(processor, GumbelSampler):
+                processor.select_rows(keep)
+        self.rows = keep if self.rows is None else self.rows[keep]
+        return running[keep], model_kwargs
+
+
+def _rope_holders(model):
+    """The modules holding Qwen-VL's per-row rope offsets (however deep PEFT or a wrapper has put the core)."""
+    return [m for m in model.modules() if torch.is_tensor(getattr(m, "rope_deltas", None))]
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention layer's keys and values in buffers of the rollout's final length: `update` writes the new
+    positions in place and returns views of the filled part, where DynamicLayer concatenates (a copy of the whole
+    layer cache per token). The views hold the same numbers the concatenation would."""
+
+    def __init__(self, layer, capacity):
+        super().__init__()
+        keys, values = layer.keys, layer.values
+        filled = keys.shape[-2]
+        self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+        self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+        self._keys[..., :filled, :] = keys
+        self._values[..., :filled, :] = values
+        self.keys, self.values = self._keys[..., :filled, :], self._values[..., :filled, :]
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        filled = self.keys.shape[-2]
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self.keys, self.values = self._keys[..., :filled, :], self._values[..., :filled, :]
+
+
+def preallocate_cache(cache, capacity):
+    """Move each filled full-attention layer of a DynamicCache into a `PreallocatedLayer` of `capacity` positions
+    (sliding-window, linear-attention and shared layers keep their own classes)."""
+    for k, layer in enumerate(getattr(cache, "layers", ())):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            cache.layers[k] = PreallocatedLayer(layer, capacity)
 
 
 # `generate` fills every field left at None from the checkpoint's generation_config.json (Qwen2.5-VL-Instruct ships
@@ -85,8 +266,6 @@ def _shared_prefill(model, prompts, prompt_index):
     """Each distinct prompt's prefill once, all but its last token (left padding: the last column is every row's
     last token); the KV cache is then index-selected to the completions, which `generate` continues from their
     full prompt ids (it runs only the uncached last token). Qwen-VL's rope offsets follow the selection."""
-    from transformers import DynamicCache
-
     ids = prompts["input_ids"]
     idx = torch.as_tensor(prompt_index, device=ids.device)
     per_token = {k for k, v in prompts.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == ids.shape}
@@ -98,9 +277,8 @@ def _shared_prefill(model, prompts, prompt_index):
     cache = DynamicCache(config=model.config)
     model(**inputs, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(idx)
-    for module in model.modules():  # the Qwen-VL core, however deep PEFT or a wrapper has put it
-        if getattr(module, "rope_deltas", None) is not None:
-            module.rope_deltas = module.rope_deltas[idx]
+    for module in _rope_holders(model):
+        module.rope_deltas = module.rope_deltas[idx]
     return {"input_ids": ids[idx], "attention_mask": prompts["attention_mask"][idx]}, cache
 
 

@@ -11,19 +11,20 @@ import torch
 from transformers import LogitsProcessor
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-_MASK63 = (1 << 63) - 1
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB as int64
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_LOW_BITS = {n: (1 << n) - 1 for n in (33, 34, 37, 53)}  # masks of the n lowest bits
 
 
 def _splitmix64(x):
-    """SplitMix64 finaliser on int64 tensors (wrapping arithmetic, logical shifts)."""
-    x = x ^ ((x & _MASK63) >> 30) ^ ((x < 0).long() << 33)
-    x = x * _MIX1
-    x = x ^ ((x & _MASK63) >> 27) ^ ((x < 0).long() << 36)
-    x = x * _MIX2
-    x = x ^ ((x & _MASK63) >> 31) ^ ((x < 0).long() << 32)
+    """SplitMix64 finaliser on int64 tensors (wrapping arithmetic; a logical shift is the arithmetic shift with the
+    sign copies masked off)."""
+    x = x ^ (x >> 30).bitwise_and_(_LOW_BITS[34])
+    x.mul_(_MIX1)
+    x ^= (x >> 27).bitwise_and_(_LOW_BITS[37])
+    x.mul_(_MIX2)
+    x ^= (x >> 31).bitwise_and_(_LOW_BITS[33])
     return x
 
 
@@ -37,8 +38,8 @@ def counter_uniform(row_seeds, step, vocab_size):
     base = _splitmix64(row_seeds.long().view(-1, *([1] * steps.dim())) * _GOLDEN + steps)
     tokens = torch.arange(vocab_size, device=device, dtype=torch.long)
     bits = _splitmix64(base.unsqueeze(-1) + tokens * _GOLDEN)
-    mantissa = (bits & _MASK63) >> 10  # 53 random bits
-    return (mantissa.double() + 0.5) / float(1 << 53)
+    mantissa = (bits >> 10).bitwise_and_(_LOW_BITS[53])  # 53 random bits
+    return mantissa.double().add_(0.5).div_(float(1 << 53))
 
 
 def completion_seeds(seed, round_index, global_indices):
@@ -79,8 +80,14 @@ class GumbelSampler(LogitsProcessor):
             remaining = (self.max_new_tokens - step) if self.max_new_tokens else 1
             n = max(1, min(remaining, self.block_elements // max(1, len(self.row_seeds) * vocab_size)))
             u = counter_uniform(self.row_seeds.to(device), torch.arange(step, step + n, device=device), vocab_size)
-            self._block, self._block_start = (-torch.log(-torch.log(u))).float(), step
+            self._block, self._block_start = u.log_().neg_().log_().neg_().float(), step  # Gumbel: -log(-log u)
         return self._block[:, step - self._block_start]
+
+    def select_rows(self, rows):
+        """Keep only `rows` (a 1-D index) of the batch: the decoding loop dropped the others."""
+        self.row_seeds = self.row_seeds[rows.to(self.row_seeds.device)]
+        if self._block is not None:
+            self._block = self._block[rows.to(self._block.device)]
 
     def __call__(self, input_ids, scores):
         scores = scores.float()
