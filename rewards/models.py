@@ -9,6 +9,7 @@ the hub repository), on the chosen device, in eval mode; scoring runs under ``to
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -54,11 +55,27 @@ def torch_dtype(dtype: str):
 
 def load_once(key: tuple, loader: Callable):
     """``loader()``'s result, built once per process for ``key`` (a reward built twice, for training and held-out
-    scoring, shares its weights)."""
+    scoring, shares its weights), always whole (`whole_weights`)."""
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = loader()
+            with whole_weights():
+                _LOADED[key] = loader()
         return _LOADED[key]
+
+
+@contextlib.contextmanager
+def whole_weights():
+    """Models built inside are whole on each process: under an accelerate ZeRO-3 config transformers would build
+    them sharded (deepspeed.zero.Init, while its HF DeepSpeed config is registered), but a reward model is not
+    trained and every process scores its own images with all of it."""
+    from transformers.integrations import deepspeed
+
+    registered = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 def hub_file(name_or_path: str, filename: str) -> str:

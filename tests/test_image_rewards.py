@@ -256,3 +256,26 @@ def test_unifiedreward_scores_final_score_over_five(serve):  # noqa: F811
     out = fn(["c"] * 4, images=_images(4), prompt=["good", "bad", "mute", "good"])
     assert out == [0.9, 0.4, None, 0.9]
     assert final_score("Final Score: 3\n...\nFinal Score: 5") == 1.0 and final_score(json.dumps({})) is None
+
+
+def test_reward_models_load_whole_under_a_zero3_config(tiny_clip, tmp_path):
+    """Under an accelerate ZeRO-3 config transformers builds models sharded; a reward model loads whole all the same
+    (every process scores its own images with all of it), and the ZeRO-3 config stays registered for the policy."""
+    import shutil
+
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    shutil.copytree(tiny_clip[0], tmp_path / "clip")
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    try:
+        fn = get_reward("pickscore", model_name_or_path=str(tmp_path / "clip"))
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        del config
+    model = fn.options["clip"].model
+    assert all(p.numel() > 0 for p in model.parameters())
+    assert fn(["c"], images=_images(1), prompt=["a cat"])[0] is not None

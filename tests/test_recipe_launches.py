@@ -314,7 +314,7 @@ def test_flow_grpo_recipe_trains_and_checkpoints_the_generator_alone(name, asset
     qwen = "qwenimage" in name
     args = dict(FLOW_SHRUNK, generator_name_or_path=assets["generator"] if qwen else flow_assets["sd3"])
     if qwen:
-        args["sde_window_range"] = "[0,2]"
+        args["sde_window_range"] = "0,2"
     if name.endswith("geneval"):
         args.update(train_data_path=assets["geneval"], val_data_path=assets["geneval"],
                     reward_server_port=geneval_server.port, reward_kwargs=json.dumps({"max_retries": 1}))
