@@ -10,7 +10,8 @@ reward does not apply to. Image rewards also take ``images=[PIL image per comple
     mine = get_reward("my_pkg.my_module:my_fn", scale=2.0)   # any TRL-style function; kwargs are bound
     rm = get_reward("path/or/hub-id", device="cuda:1")       # a sequence-classification reward model (TRL's)
 
-Built-in names map to factories ``(**options) -> reward function``; ``register`` adds more.
+Built-in names map to factories ``(**options) -> reward function``; ``register`` adds more: the tiny world
+(tiny/) registers ``shapes_t2i`` when it is imported, as every script does.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ _BUILTIN = {
     "geneval": "rewards.geneval:geneval_reward",
     "judge_geneval_plus": "rewards.judge:judge_geneval_plus_reward",
     "judge_tiif": "rewards.judge:judge_tiif_reward",
-    "shapes_t2i": "rewards.t2i:shapes_t2i_reward",
     "tool_format": "rewards.tools:tool_format_reward",
     "tool_budget": "rewards.tools:tool_budget_reward",
     "pickscore": "rewards.clip:pickscore_reward",

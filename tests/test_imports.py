@@ -1,6 +1,7 @@
 """The import arrows: the library (utils/, kernels/, rewards/, tiny/) and the benches import no top-level script,
-and no module imports its way back to itself. Every import counts, those inside functions too (a circle hidden in
-a function body still ties the two modules together). Read from the source; nothing is imported."""
+utils/, rewards/ and kernels/ import nothing of tiny/, and no module imports its way back to itself. Every import
+counts, those inside functions too (a circle hidden in a function body still ties the two modules together). Read
+from the source; nothing is imported."""
 
 import ast
 import os
@@ -91,6 +92,31 @@ def find_cycle(graph):
 def test_the_project_import_graph_has_no_circle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The worlds stand one way: tiny/ (the synthetic world, built on first use) sits above the library and registers what
+# it adds (its names in utils.core.names, the shapes_t2i reward); the library never imports it.
+BELOW_TINY = ("utils", "rewards", "kernels")
+
+
+def arrows_into(graph, below, above):
+    """`a imports b` for every module a under a top-level package of `below` that imports one under `above`."""
+    return sorted(f"{name} imports {target}" for name, targets in graph.items() if name.split(".")[0] in below
+                  for target in targets if target.split(".")[0] == above)
+
+
+def test_the_library_imports_nothing_of_the_tiny_world():
+    bad = arrows_into(import_graph(), BELOW_TINY, "tiny")
+    assert not bad, "tiny/ stands above utils/, rewards/ and kernels/; register through utils.core.names or " \
+                    "rewards.register from tiny/ instead: " + "; ".join(bad)
+
+
+def test_the_arrow_check_notices_a_library_module_importing_tiny(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from tiny.cache import resolve_dataset\n")
+    modules = {"utils.eval.m": str(src), "tiny.cache": "", "tiny": ""}
+    graph = {"utils.eval.m": imports_of("utils.eval.m", str(src), modules), "tiny.cache": {"utils.eval.m"}}
+    assert arrows_into(graph, BELOW_TINY, "tiny") == ["utils.eval.m imports tiny.cache"]
 
 
 def test_the_walk_sees_function_level_imports_relative_imports_and_circles(tmp_path):

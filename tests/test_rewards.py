@@ -5,7 +5,9 @@ package treats differently (JSON and <think> formats, MCQ letters, numbers, yes/
 JSON); the others against hand-computed values."""
 
 import json
+import os
 import random
+import subprocess
 import sys
 import textwrap
 
@@ -15,6 +17,8 @@ from crystal_metrics import rewards as cm
 from rewards import get_reward, list_rewards, register
 from rewards.common import completion_text, process_rank
 from rewards.text import soft_overlong_penalty
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- a corpus that exercises crystal-metrics' branches ----------------------------------------------------
 
@@ -371,10 +375,21 @@ def test_shapes_t2i_behaviours_and_logging_keys():
 # --- registry -----------------------------------------------------------------------------------------------
 
 def test_registry_lists_the_contract_names():
+    import tiny  # noqa: F401 (the tiny world registers shapes_t2i, as every script imports it)
+
     assert set(list_rewards()) >= {"format", "accuracy", "cpr", "spr", "reasoning", "think_format",
                                    "math_accuracy", "overlong_penalty", "geneval", "judge_geneval_plus",
                                    "judge_tiif", "shapes_t2i"}
     assert get_reward("cpr").__name__ == "cpr"  # TRL logs rewards by __name__
+
+
+def test_the_tiny_world_registers_its_reward_and_names_when_imported():
+    code = ("import rewards; from utils.core import names; before = 'shapes_t2i' in rewards.list_rewards(); "
+            "import tiny, tiny.cache; print(before, 'shapes_t2i' in rewards.list_rewards(), "
+            "names.resolve_dataset('some/set'), names.resolve_model('tiny-x'), "
+            "tiny.cache.resolve_dataset in names._RESOLVERS['dataset'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["False", "True", "some/set", "tiny-x", "True"]
 
 
 def test_unknown_name_and_bad_options_are_clear_errors():

@@ -7,8 +7,14 @@ and `tiny-reasoner` (the OpenVLThinker cycle's base VLM and text reasoner, tiny/
 Mix-GRPO warm start), `tiny-reflector` (tiny-planner also taught to reflect) and the data sets `synthetic:shapes`,
 `synthetic:video` (tiny/video_shapes.py), `synthetic:edits` and `synthetic:reflect` (tiny/edits.py) resolve here;
 `tiny_generator_path()` and `tiny_edit_generator_path()` build the tiny Qwen-Image generator and its edit sibling;
-anything else is passed through untouched. The builds that train for minutes are shipped in tiny/weights/
-(tiny/shipped.py): where the code still gives a shipped folder's name, it is copied instead of trained.
+anything else is passed through untouched. `import tiny` registers `resolve_tiny_name` and `resolve_dataset` with
+utils.core.names, through which the library resolves these names. The builds that train for minutes are shipped in
+tiny/weights/ (tiny/shipped.py): where the code still gives a shipped folder's name, it is copied instead of trained.
+
+A build calls library functions (tiny.models, tiny.shapes, ...) where one does the work. The trained ones run a
+program in a process of their own: train_sft.py for the SFT builds (the SFT loop is the script's, as every loop is)
+and `python -m tiny.generator` / `tiny.edit_generator` for the generators (their torch threads are pinned by their
+config); a child process leaves the caller's threads and random state alone and gives the bytes that are shipped.
 
 Over 400 lines on purpose: every tiny build's name, cache key and builder in one place, because the keys chain (the
 reflector's holds the planner's and tiny-sft's specs, the edit generator's the generator's folder) and are read
@@ -16,9 +22,28 @@ together; a split by world (VQA / text-to-image) is the next step when it grows 
 """
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
+import subprocess
+import sys
+
+import datasets
+from datasets import DatasetDict
+
+from tiny import cycle, edits, shapes, shipped, t2i, video_shapes
+from tiny.edits import make_edit_triples, reflector_rows
+from tiny.generator_config import TinyEditGeneratorConfig, TinyGeneratorConfig
+from tiny.models import make_tiny_llm, make_tiny_vlm
+from tiny.reflector import describe_rows, reflector_sft_rows, with_eye
+from tiny.shapes import make_shapes_vqa
+from tiny.t2i import make_t2i_prompts, write_jsonl
+from utils.core.checkpoint import latest_checkpoint
+from utils.core.config import ConfigError
+from utils.core.data_sources import load_table
+from utils.t2i import r3_format
+from utils.t2i.r3_format import REASON_PROMPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = "tiny"
@@ -83,8 +108,6 @@ def _key(spec):
 def cached(name, spec, build):
     """Build `name` once per spec into CACHE_DIR/name-<hash>, atomically (tmp folder then rename; a failed
     build leaves nothing behind)."""
-    from tiny import shipped
-
     path = os.path.join(CACHE_DIR, f"{name}-{_key(spec)}")
     if os.path.isdir(path) or shipped.install(os.path.basename(path), path):
         return path
@@ -104,22 +127,14 @@ def cached(name, spec, build):
 
 
 def tiny_vlm_path():
-    from tiny.models import make_tiny_vlm
-
     return cached("tiny-vlm", TINY_VLM, lambda out: make_tiny_vlm(out, **TINY_VLM))
 
 
 def tiny_llm_path():
-    from tiny.models import make_tiny_llm
-
     return cached("tiny-llm", TINY_LLM, lambda out: make_tiny_llm(out, **TINY_LLM))
 
 
 def shapes_dataset_path():
-    from datasets import DatasetDict
-
-    from tiny.shapes import make_shapes_vqa
-
     def build(out):
         DatasetDict({split: make_shapes_vqa(**spec) for split, spec in SHAPES_SPLITS.items()}).save_to_disk(out)
 
@@ -128,8 +143,6 @@ def shapes_dataset_path():
 
 def video_dataset_path():
     """The video task's folder: clips/ and train.jsonl, test.jsonl (tiny/video_shapes.py)."""
-    from tiny import video_shapes
-
     def build(out):
         for split, spec in VIDEO_SPLITS.items():
             video_shapes.save_video_vqa(out, split=split, **spec)
@@ -138,26 +151,17 @@ def video_dataset_path():
 
 
 def _video_spec():
-    from tiny import video_shapes
-
     return {"splits": VIDEO_SPLITS, "source": _source(*[getattr(video_shapes, name) for name in (
         "_frames", "_direction", "_count_frames", "_last", "write_clip", "save_video_vqa")])}
 
 
 def _edits_source():
-    from tiny import edits, shapes, t2i
-    from utils import r3_format
-
     return _source(edits, t2i._t2i_row, t2i.layout_t2i, t2i.relative_position, t2i._box, shapes._place_in_cell,
                    shapes.draw_shape, shapes.render_objects, r3_format.NO_EDIT, r3_format.REFLECT_PROMPT)
 
 
 def edits_dataset_path():
     """The edit triples (tiny.edits.make_edit_triples): a save_to_disk DatasetDict with EDIT_SPLITS."""
-    from datasets import DatasetDict
-
-    from tiny.edits import make_edit_triples
-
     def build(out):
         DatasetDict({split: make_edit_triples(**spec) for split, spec in EDIT_SPLITS.items()}).save_to_disk(out)
 
@@ -167,10 +171,6 @@ def edits_dataset_path():
 def reflect_dataset_path():
     """The reflector's sharegpt rows (tiny.edits.reflector_rows): a save_to_disk DatasetDict with REFLECT_SPLITS,
     read by train_sft.py's `--dataset_format sharegpt`."""
-    from datasets import DatasetDict
-
-    from tiny.edits import reflector_rows
-
     def build(out):
         DatasetDict({split: sharegpt_dataset(reflector_rows(**spec))
                      for split, spec in REFLECT_SPLITS.items()}).save_to_disk(out)
@@ -187,11 +187,6 @@ def _trained(name, recipe, spec, args=()):
     """train_sft.py's `recipe` (plus `args`, or a function returning them: the model and data it starts from, built
     only when this trains), run once in its own process and reused while the recipe and `spec` stay the same (or
     copied from tiny/weights/ where that build is shipped); returns the run's last checkpoint."""
-    import subprocess
-    import sys
-
-    from tiny import shipped
-
     with open(recipe) as f:
         spec = {"recipe": f.read(), **spec}
     key = _key(spec)
@@ -211,8 +206,6 @@ def _trained(name, recipe, spec, args=()):
     print(f"{name}: training with train_sft.py into {out} (once; cached afterwards)", flush=True)
     subprocess.run([sys.executable, os.path.join(REPO, "train_sft.py"), "--config", recipe, "--output_dir", out,
                     *args], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
-    from utils.checkpoint import latest_checkpoint
-
     path = latest_checkpoint(out)
     with open(os.path.join(out, "train_summary.json")) as f:
         summary = json.load(f)
@@ -237,15 +230,11 @@ def tiny_video_sft_path():
 def _source(*objects):
     """The source of functions and modules (and the repr of constants): part of a cache key, so a changed row builder
     rebuilds what was made with it while other edits to its module do not."""
-    import inspect
-
     return [inspect.getsource(o) if callable(o) or inspect.ismodule(o) else repr(o) for o in objects]
 
 
 def sharegpt_dataset(rows):
     """sharegpt rows (id, messages, images when the rows have them, and any other text columns) as a Dataset."""
-    import datasets
-
     message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
     features = {key: datasets.Value("string") for key in rows[0]}
     features["messages"] = datasets.List(message)
@@ -263,7 +252,6 @@ def save_sharegpt(rows, out):
 def _sharegpt_folder(name, spec, make_rows):
     """A save_to_disk folder of sharegpt rows made from the shapes training split, cached by `spec`."""
     def build(out):
-        from utils.data_sources import load_table
 
         train = load_table(shapes_dataset_path(), split="train")
         save_sharegpt(make_rows([train[i] for i in range(len(train))]), out)
@@ -273,8 +261,6 @@ def _sharegpt_folder(name, spec, make_rows):
 
 def tiny_base_path():
     """The tiny cycle's base VLM: the tiny VLM trained to describe the shapes scenes (tiny/cycle.py)."""
-    from tiny import cycle
-
     spec = {"model": TINY_VLM, "data": SHAPES_SPLITS,
             "rows": _source(cycle.caption_rows, cycle.scene_caption, cycle._objects, cycle.CAPTION_PROMPT)}
     return _trained("tiny-base", TINY_BASE_RECIPE, spec, lambda: [
@@ -285,8 +271,6 @@ def tiny_base_path():
 def tiny_reasoner_path():
     """The tiny cycle's text reasoner: the tiny LLM trained to answer counting questions from scene
     descriptions, a share of its chains with a reflection (tiny/cycle.py)."""
-    from tiny import cycle
-
     spec = {"model": TINY_LLM, "data": SHAPES_SPLITS,
             "rows": _source(cycle.reasoner_rows, cycle.reasoner_chain, cycle._counted, cycle.scene_caption,
                             cycle._objects, cycle.REASONER_PROMPT, cycle.REFLECTIONS)}
@@ -297,29 +281,23 @@ def tiny_reasoner_path():
 
 def tiny_t2i_prompts(n, seed):
     """A cached prompts.jsonl of `n` tiny text-to-image rows (tiny.t2i.make_t2i_prompts with `seed`)."""
-    from tiny.t2i import make_t2i_prompts, write_jsonl
-
     folder = cached(f"t2i-prompts-{seed}", dict(n=n, seed=seed), lambda out: write_jsonl(
         make_t2i_prompts(n, seed=seed), os.path.join(out, "prompts.jsonl")))
     return os.path.join(folder, "prompts.jsonl")
 
 
 def _planner_spec():
-    from tiny import t2i
-    from utils.r3_format import REASON_PROMPT
-
     return {"model": TINY_PLANNER_VLM, "rows": PLANNER_ROWS, "colour_rows": PLANNER_COLOUR_ROWS,
             "source": _source(t2i.planner_rows, t2i.scene_plan, t2i.layout_t2i, REASON_PROMPT, _planner_sft_rows)}
 
 
 def _plan_rows(n):
-    from tiny import t2i
-    from utils.r3_format import REASON_PROMPT
-
     rows = t2i.make_t2i_prompts(PLANNER_ROWS["n"], seed=PLANNER_ROWS["seed"])[:n]
     return t2i.planner_rows(rows, REASON_PROMPT, image_size=PLANNER_ROWS["image_size"])
 
 
+# Its source, imports included, is part of tiny-planner's cache key (and so of the shipped folder's name): its imports
+# stay inside it, as the shipped build was made.
 def _planner_sft_rows():
     """The planner's SFT rows: the generator's plan rows, then PLANNER_COLOUR_ROWS planned the same way."""
     from tiny import t2i
@@ -335,8 +313,6 @@ def tiny_planner_path():
     """The tiny Mix-GRPO policy's warm start: a fresh word-level tiny VLM (TINY_PLANNER_VLM) taught to answer
     train_mixgrpo's reason prompt with `<think>{scene plan}</think>` for the text-to-image rows the tiny generator is
     trained on and PLANNER_COLOUR_ROWS (tiny.t2i.scene_plan: the objects with a colour and a grid cell each)."""
-    from tiny.models import make_tiny_vlm
-
     spec = _planner_spec()
     return _trained("tiny-planner", TINY_PLANNER_RECIPE, spec, lambda: [
         "--model_name_or_path", cached("tiny-planner-vlm", TINY_PLANNER_VLM,
@@ -345,8 +321,6 @@ def tiny_planner_path():
 
 
 def _planner_eye_spec():
-    from tiny.reflector import with_eye
-
     with open(TINY_PLANNER_RECIPE) as f:
         return {"tiny-planner": _planner_spec(), "planner_recipe": f.read(), "eye": _tiny_sft_spec(),
                 "source": _source(with_eye)}
@@ -354,14 +328,10 @@ def _planner_eye_spec():
 
 def _planner_eye_path():
     """tiny-planner with tiny-sft's vision tower and merger: where the reflector's SFTs start."""
-    from tiny.reflector import with_eye
-
     return cached("planner-eye", _planner_eye_spec(), lambda out: with_eye(tiny_planner_path(), tiny_sft_path(), out))
 
 
 def _describer_spec():
-    from tiny.reflector import describe_rows
-
     return {"planner-eye": _planner_eye_spec(), "describe": DESCRIBE_ROWS,
             "source": _edits_source() + _source(describe_rows)}
 
@@ -369,9 +339,6 @@ def _describer_spec():
 def tiny_describer_path():
     """The reflector's first SFT: tiny-planner with tiny-sft's eye, taught to describe a draft under
     tiny.reflector.DESCRIBE_PROMPT -> "I see <the draft's plan>" (recipes/stages/tiny_describer.yaml)."""
-    from tiny.edits import reflector_rows
-    from tiny.reflector import describe_rows
-
     spec = _describer_spec()
     return _trained("tiny-describer", TINY_DESCRIBER_RECIPE, spec, lambda: [
         "--model_name_or_path", _planner_eye_path(),
@@ -382,9 +349,6 @@ def tiny_describer_path():
 def tiny_reflector_path():
     """The warm start of the tiny job's two stages: tiny-describer after SFT on the reflect rows
     (tiny.edits.reflector_rows) with planner rows replayed (recipes/stages/tiny_reflector.yaml)."""
-    from tiny.edits import reflector_rows
-    from tiny.reflector import reflector_sft_rows
-
     with open(TINY_DESCRIBER_RECIPE) as f:
         describer = {"recipe": f.read(), **_describer_spec()}
     spec = {"tiny-describer": describer, "reflect": REFLECT_SPLITS["train"], "plans": REFLECTOR_PLAN_ROWS,
@@ -427,11 +391,6 @@ def tiny_generator_path(**overrides):
     """The tiny text-to-image generator: tiny/generator.py's defaults (or `overrides` of its config), pre-trained
     once in its own process (torch threads pinned by the config) and reused while the config and the text
     encoder's spec stay the same. Returns a QwenImagePipeline folder."""
-    import subprocess
-    import sys
-
-    from tiny.generator_config import TinyGeneratorConfig
-
     cfg = TinyGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
     # which text states condition it: the template's system prompt dropped as counted by the tokenizer
     # (utils.flow.adapters.template_prefix_length), so a build conditioned under diffusers' constant is not reused
@@ -453,11 +412,6 @@ def tiny_edit_generator_path(**overrides):
     """The tiny edit generator: tiny/edit_generator.py's defaults (or `overrides` of its config), trained once in its
     own process from the tiny generator (built first, here) on the edit triples, and reused while the config, the
     generator it starts from and the triples' source stay the same. Returns a QwenImageEditPipeline folder."""
-    import subprocess
-    import sys
-
-    from tiny.generator_config import TinyEditGeneratorConfig
-
     cfg = TinyEditGeneratorConfig(**overrides)  # bad overrides fail here, before anything is built
     base = tiny_generator_path() if cfg.generator == TINY_GENERATOR else os.path.abspath(cfg.generator)
     # a cached generator by its name (its hash), wherever the cache lives; another folder by its path
@@ -488,8 +442,6 @@ def resolve_tiny_t2i(cfg, accelerator):
     and the VLM that reads for it: tiny-planner, or tiny-reflector (tiny-planner also taught R3's reflect step) when
     --reflect_refine is on; the 'tiny' edit generator is tiny-edit-generator; 'tiny' prompt files are synthetic
     shapes_t2i prompts."""
-    from utils.config import ConfigError
-
     for flag in ("generator_name_or_path", "edit_generator_name_or_path"):
         if getattr(cfg, flag) == TINY_MODEL and cfg.conditioning != "generator":
             # it was pre-trained on its own encoder's states; the planner's would condition it on what it never saw

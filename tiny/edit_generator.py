@@ -26,7 +26,10 @@ from itertools import count
 
 import numpy as np
 import torch
+from diffusers import QwenImageEditPipeline
+from PIL import Image, ImageDraw
 
+from tiny.cache import TINY_GENERATOR, tiny_generator_path
 from tiny.detector import detected_scene
 from tiny.edits import EDIT_KINDS, edit_triples, parse_instruction, scene_key
 from tiny.generator import (
@@ -44,6 +47,9 @@ from tiny.generator import (
     to_uint8,
 )
 from tiny.generator_config import TinyEditGeneratorConfig
+from utils.core.config import parse_config
+from utils.t2i.adapters import QwenImageGenerator
+from utils.t2i.mixgrpo_model import own_processor
 
 SUMMARY = "tiny_edit_generator.json"  # what a build measured, next to model_index.json
 # R3's refine guidance as the tiny Mix-GRPO recipe sets it (text CFG 4 within sigma (0.4, 1], image CFG 1.5,
@@ -60,9 +66,6 @@ def edit_texts(rows) -> list[str]:
 def load_generator(path, image_size):
     """A Qwen-Image folder (a QwenImagePipeline with its processor saved beside, or an edit pipeline) through the
     Qwen-Image adapter, editing at image_size (the edit pipeline's own area is 1024 x 1024)."""
-    from utils.flow.adapters import QwenImageGenerator
-    from utils.mixgrpo_model import own_processor
-
     gen = QwenImageGenerator.from_pretrained(path, components=own_processor(path))
     if gen.edit is None:
         raise ValueError(f"--generator {path}: no processor (processor/ beside its text encoder) to show the VLM "
@@ -127,10 +130,6 @@ def set_zero_cond_t(transformer, on=True):
 def build_tiny_edit_generator(cfg: TinyEditGeneratorConfig, log=_log) -> str:
     """Encode the edit triples, train the transformer, save the QwenImageEditPipeline folder (plus SUMMARY).
     Returns cfg.output_dir."""
-    from diffusers import QwenImageEditPipeline
-
-    from tiny.cache import TINY_GENERATOR, tiny_generator_path
-
     stages = {}
     with pinned_threads(cfg.threads):
         path = tiny_generator_path() if cfg.generator == TINY_GENERATOR else cfg.generator
@@ -238,8 +237,6 @@ def start_weights(summary, transformer):
 def grid_png(path, rows, columns, scale=4):
     """Rows of (input | instruction | output | target...): `columns` is a list of (title, [N, 3, H, W]) image
     columns, the first of them the input; images enlarged `scale` x (nearest)."""
-    from PIL import Image, ImageDraw
-
     size = columns[0][1].shape[-1] * scale
     text_w, pad, top = 400, 4, 16
     xs = [0] + [size + text_w + pad + c * (size + pad) for c in range(len(columns) - 1)]
@@ -261,6 +258,4 @@ def grid_png(path, rows, columns, scale=4):
 
 
 if __name__ == "__main__":
-    from utils.config import parse_config
-
     build_tiny_edit_generator(parse_config(TinyEditGeneratorConfig, sys.argv[1:]))

@@ -28,11 +28,22 @@ from functools import partial
 
 import numpy as np
 import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from tiny.cache import TINY_MODELS
 from tiny.detector import score_t2i
 from tiny.generator_config import TinyGeneratorConfig
 from tiny.shapes import T2I_TAGS
 from tiny.t2i import make_t2i_prompts, render_t2i, scene_plan
+from utils.core.config import parse_config
+from utils.t2i.adapters import QwenImageGenerator
+from utils.t2i.generators import Guidance, sample
 
 _log = partial(print, flush=True)
 SUMMARY = "tiny_generator.json"  # what a build measured (timings, losses, scores), next to model_index.json
@@ -83,8 +94,6 @@ def _cosine(step, total, warmup):
 
 
 def make_vae(cfg):
-    from diffusers import AutoencoderKLQwenImage
-
     torch.manual_seed(cfg.seed)
     z = cfg.vae_z_dim
     downs = len(cfg.vae_dim_mult) - 1  # spatial 2x each; none temporal (single images)
@@ -94,8 +103,6 @@ def make_vae(cfg):
 
 
 def make_transformer(cfg, joint_attention_dim):
-    from diffusers import QwenImageTransformer2DModel
-
     torch.manual_seed(cfg.seed + 1)
     hd = cfg.attention_head_dim
     frame, height = hd // 8 * 2, (hd - hd // 8 * 2) // 4 * 2
@@ -107,17 +114,11 @@ def make_transformer(cfg, joint_attention_dim):
 
 
 def make_scheduler(cfg):
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.shift, use_dynamic_shifting=False)
 
 
 def load_text_encoder(name):
     """tiny | tiny-sft (built and cached on first use) | a folder -> (frozen Qwen2.5-VL, processor, folder)."""
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from tiny.cache import TINY_MODELS
-
     path = TINY_MODELS[name]() if name in TINY_MODELS else name
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--text_encoder {name!r}: no such folder")
@@ -302,8 +303,6 @@ def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds
     given), image i drawn from its own torch.Generator seeded seeds[i] (default i), so an image does not depend on
     the batch it is drawn in. images ([N, 3, H, W] in [0, 1]): edits of them through the adapter's edit path, with
     image CFG (against the prompt without the image) when image_scale > 1."""
-    from utils.flow.generators import Guidance, sample
-
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     guidance = Guidance(scale=guidance_scale, interval=interval, image_scale=image_scale)
     extra = dict(image_guidance=True) if images is not None and image_scale > 1 else {}
@@ -320,8 +319,6 @@ def sample_images(gen, prompts, *, size, num_steps=20, guidance_scale=4.0, seeds
 def evaluate_generator(path, *, n=120, seed=1, num_steps=20, guidance_scale=4.0, shift=None, gen=None):
     """Held-out score of ODE samples (rows of make_t2i_prompts(n, seed=seed)), per tag. Returns
     {"table", "per_image", "images", "rows"}."""
-    from utils.flow.adapters import QwenImageGenerator
-
     gen = gen if gen is not None else QwenImageGenerator.from_pretrained(path)
     rows = heldout_rows(n, seed)
     with open(os.path.join(path, SUMMARY)) as f:
@@ -339,10 +336,6 @@ def evaluate_generator(path, *, n=120, seed=1, num_steps=20, guidance_scale=4.0,
 def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
     """Train the VAE, then the transformer, and save the QwenImagePipeline folder (plus `processor/` and
     SUMMARY). Returns cfg.output_dir."""
-    from diffusers import QwenImagePipeline
-
-    from utils.flow.adapters import QwenImageGenerator
-
     stages = {}
     with pinned_threads(cfg.threads):
         vlm, processor, vlm_path = load_text_encoder(cfg.text_encoder)  # a bad --text_encoder fails before any training
@@ -387,6 +380,4 @@ def build_tiny_generator(cfg: TinyGeneratorConfig, log=_log) -> str:
 
 
 if __name__ == "__main__":
-    from utils.config import parse_config
-
     build_tiny_generator(parse_config(TinyGeneratorConfig, sys.argv[1:]))

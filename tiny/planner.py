@@ -4,16 +4,17 @@ Used by bench/tiny_generator_report.py (`--planner`) and the tiny planner's buil
 """
 
 import torch
+from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from tiny.cache import resolve_tiny_name
 from tiny.shapes import DEFAULT_COLORS, SHAPES
+from utils.core.encoding import encode_prompts
+from utils.core.rollout import generate_completions, stop_token_ids
+from utils.t2i.r3_format import REASON_PROMPT, reasoning_of, user_message
 
 
 def load_planner(name):
     """(model, processor) of a planner VLM: tiny-planner (the cached Mix-GRPO warm start) or a folder."""
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from tiny.cache import resolve_tiny_name
-
     path = resolve_tiny_name(name)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(path)
@@ -22,10 +23,6 @@ def load_planner(name):
 @torch.no_grad()
 def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
     """The reasoning a planner VLM writes greedily for each row under train_mixgrpo's reason prompt."""
-    from utils.encoding import encode_prompts
-    from utils.r3_format import REASON_PROMPT, reasoning_of, user_message
-    from utils.rollout import generate_completions, stop_token_ids
-
     tok = processor.tokenizer
     stops, plans = stop_token_ids(model, tok), []
     for i in range(0, len(rows), batch):
@@ -43,8 +40,6 @@ def planner_plans(model, processor, rows, max_new_tokens=64, batch=32):
 def _reading(model, processor, cases, words):
     """Mean over cases (prompt, plan prefix, index of the right word) of P(the right word next), teacher-forced
     after the prefix and renormalised over `words` (token strings, one token each)."""
-    from utils.r3_format import REASON_PROMPT
-
     tok = processor.tokenizer
     word_ids = [tok.encode(w, add_special_tokens=False)[0] for w in words]
     probs = []

@@ -13,6 +13,9 @@ from collections import Counter
 import torch
 
 from tiny.edits import FLAWS, apply_edit, cell_name, parse_instruction, scene_key
+from utils.core.encoding import encode_prompts
+from utils.core.rollout import generate_completions, stop_token_ids
+from utils.t2i.r3_format import REFLECT_PROMPT, reflection_of, user_message
 
 DESCRIBE_PROMPT = "Describe the image: every object, its colour and where it is."
 SEEN = re.compile(r"(\w+) (circle|square|triangle) (top|middle|bottom) (left|center|right)")
@@ -80,8 +83,6 @@ def seen_scores(texts, rows) -> dict:
 def reflection_outcome(text: str, row: dict, *, image_size: int) -> dict:
     """{format, kept, fixed} of one reflection on a reflector row (tiny.edits.reflector_rows): `format` as the
     reflect stage's reward reads it, `kept` when it asks for no edit, `fixed` when the draft ends as the target."""
-    from utils.r3_format import reflection_of
-
     fmt, instruction, kept = reflection_of(text)
     draft, target = json.loads(row["draft"]), json.loads(row["target"])
     if kept:
@@ -97,10 +98,6 @@ def reflection_outcome(text: str, row: dict, *, image_size: int) -> dict:
 def reflections(model, processor, rows, *, max_new_tokens=72, batch=32, describe=False) -> list[str]:
     """The reflection a VLM writes greedily for each reflector row: its draft image under train_mixgrpo's reflect
     prompt, as the reflect stage asks it (`describe`: under DESCRIBE_PROMPT instead)."""
-    from utils.encoding import encode_prompts
-    from utils.r3_format import REFLECT_PROMPT, user_message
-    from utils.rollout import generate_completions, stop_token_ids
-
     tok = processor.tokenizer
     stops, texts = stop_token_ids(model, tok), []
     for i in range(0, len(rows), batch):

@@ -29,7 +29,11 @@ import os
 import re
 from fractions import Fraction
 
+from rewards.judge import JudgeClient
+from rewards.text import _math_equal
+from utils.core.data_sources import load_table
 from utils.core.errors import InputError
+from utils.eval.chains import boxed_answers
 
 BENCHMARKS = ("mathvista", "mathverse", "mathvision")
 REQUIRED = {
@@ -60,7 +64,6 @@ def _records(path, split):
     if os.path.isfile(path) and path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()], os.path.dirname(os.path.abspath(path))
-    from utils.core.data_sources import load_table
 
     table = load_table(path, split=split)
     base = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -139,8 +142,6 @@ class LLMAnswerExtractor:
     an LLM): question + response in, the final answer out ("" for none)."""
 
     def __init__(self, base_url, model, *, api_key=None, timeout=120.0):
-        from rewards.judge import JudgeClient
-
         self.client = JudgeClient(base_url, model, api_key=api_key, timeout=timeout, temperature=0.0, max_tokens=64)
 
     def __call__(self, question, response):
@@ -236,8 +237,6 @@ def mathvista_normalize(extraction, row):
 
 def _final(response):
     """The final answer of a free response: its last \\boxed{}, or what follows "the answer is"."""
-    from utils.eval.chains import boxed_answers
-
     boxed = boxed_answers(response)
     if boxed:
         return boxed[-1]
@@ -258,8 +257,6 @@ _UNIT_AFTER_NUMBER = re.compile(r"(?<=\d)\s*(?:\\mathrm\{~?\s*[a-zA-Z]+\}(?:\^\{
 
 def _equal(gold, pred):
     """Exact (case-insensitive, $ and spaces dropped), numeric to 2 places, or math-verify equivalence."""
-    from rewards.text import _math_equal
-
     def clean(text):  # "$12 \\mathrm{~m}$", "14 cm", "50°" -> "12", "14", "50" when a number carries a unit
         text = str(text).replace("$", "").strip().rstrip(".")
         text = _UNIT_AFTER_NUMBER.sub("", text)

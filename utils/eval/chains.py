@@ -12,6 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from rewards.text import answers_match, extract_answer
+from utils.eval.grading import AnswerGrader
+
 REFLECTION_MARKERS = ("Wait", "But wait", "But the question")  # OpenVLThinker's cut points
 SELECT_RULES = ("shortest", "longest", "next_longest")
 DROP_REASONS = ("no_answer", "wrong_answer", "empty_after_cut", "over_word_limit")
@@ -100,13 +103,9 @@ class Grader:
     then CRYSTAL's answer rules (numeric tolerance, yes/no, options: utils.eval.grading.AnswerGrader)."""
 
     def __init__(self):
-        from utils.eval.grading import AnswerGrader
-
         self.crystal = AnswerGrader()
 
     def __call__(self, question: str, predicted: str, gold: str) -> bool:
-        from rewards.text import answers_match, extract_answer
-
         gold = extract_answer(str(gold)) or str(gold)
         if answers_match(gold, predicted):
             return True

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from utils.core import names
 from utils.core.conversations import prompt_images, prompt_messages, prompt_question
 from utils.core.encoding import encode_prompts
 from utils.core.rollout import generate_completions, stop_token_ids
@@ -159,10 +160,8 @@ def load_eval_set(cfg, accelerator):
     with the same flags as the training data."""
     if not cfg.eval_dataset_name:
         return None
-    from tiny.cache import resolve_dataset
-
     with accelerator.main_process_first():
-        path = resolve_dataset(cfg.eval_dataset_name)
+        path = names.resolve_dataset(cfg.eval_dataset_name)
     return load_graded_set(path, split=cfg.eval_split, prompt_column=getattr(cfg, "prompt_column", None),
                            image_column=cfg.image_column, question_column=cfg.question_column,
                            answer_column=cfg.answer_column, steps_column=cfg.steps_column,

@@ -10,7 +10,9 @@ import re
 
 import torch
 from accelerate.utils import gather_object
+from PIL import Image
 
+from rewards import get_reward
 from utils.core.encoding import encode_prompts
 from utils.core.reward_calls import score_images
 from utils.core.rollout import generate_completions
@@ -106,7 +108,8 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     mine = list(range(rank, len(rows), world))
     results = []
     generate = dict(policy=policy, processor=processor, stop_ids=stop_ids, suppress_ids=suppress_ids)
-    shapes = cfg.dataset_name == "shapes_t2i"
+    # on the tiny world's prompts, what its scorer sees besides the score: strict, objects detected and requested
+    shapes = get_reward("shapes_t2i") if cfg.dataset_name == "shapes_t2i" else None
     was_training = policy is not None and policy.training
     if policy is not None:
         policy.eval()
@@ -134,7 +137,7 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                      guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
                      shift=cfg.timestep_shift, latents=noise, output_type="pil")
         scores = score_images(cfg, reward_fn, item_texts, out.images, item_rows).tolist()  # NaN: unscored
-        details = [shapes_details(im, r) if shapes else {} for im, r in zip(out.images, item_rows)]
+        details = [shapes.details(im, r) if shapes else {} for im, r in zip(out.images, item_rows)]
         for d, r in zip(details, item_rows):
             d["tag"] = r.get("tag", r.get("type"))  # per-tag means (GenEval's tag, TIIF's type)
         refined = [None] * len(items)
@@ -146,7 +149,7 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
                        for a, s, k, im in zip(scores, new_scores, stopped, images)]
             if shapes:
                 for d, r, im in zip(details, item_rows, images):
-                    d.update({f"refine_{k}": v for k, v in shapes_details(im, r).items() if k != "requested"})
+                    d.update({f"refine_{k}": v for k, v in shapes.details(im, r).items() if k != "requested"})
         results += [(i, s, parsed[k][0], im, d, ref) for i, (_, k), s, im, d, ref in zip(
             ids, items, scores, out.images, details, refined)]
     if policy is not None:
@@ -171,19 +174,8 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
     return result
 
 
-def shapes_details(image, row):
-    """What the tiny world's scorer sees besides the score: strict (every item holds), objects detected and
-    requested, so a gain bought with extra objects or speckle shows (the reward itself is only the score)."""
-    from tiny.detector import score_t2i
-
-    out = score_t2i(image, row)
-    return {"strict": float(out["strict"]), "detected": float(out["detected"]), "requested": float(out["requested"])}
-
-
 def save_grid(images, path, columns=8):
     """Paste PIL images into one grid PNG (the first held-out rows' images, in row order)."""
-    from PIL import Image
-
     w, h = images[0].size
     rows = math.ceil(len(images) / columns)
     grid = Image.new("RGB", (w * min(columns, len(images)), h * rows), "white")
