@@ -139,7 +139,7 @@ class MixGRPOConfig:
     # Flow-GRPO: no text
     text_free: bool = field(default=False, metadata={
         "help": "Flow-GRPO's setting: each prompt goes straight to the generator (its pipeline's own text encoder "
-                "reads it); no VLM loads, nothing reasons or reflects, only the generator trains (runs with "
+                "reads it); no VLM loads, nothing reasons or reflects, only the generator trains (it sets "
                 "--reflect_refine false, --tune_text_cot false, --conditioning generator)"})
     overlap_rewards: bool = field(default=False, metadata={
         "help": "--text_free: a background thread scores step k's images while step k+1's are drawn (before step k "
@@ -725,7 +725,15 @@ def save_step(accelerator, cfg, step, *, mix, processor, state, buffer, generato
                   parts=list(loras), notes=generator_card(cfg, gen_path, list(loras)))
 
 
+def text_free_settings(cfg):
+    """--text_free has no VLM: nothing reflects, no text trains, the generator's own encoder reads the prompt."""
+    if not cfg.text_free:
+        return cfg
+    return replace(cfg, reflect_refine=False, tune_text_cot=False, conditioning="generator")
+
+
 def main(cfg: MixGRPOConfig):
+    cfg = text_free_settings(cfg)
     # The reason stage shows the VLM no image, so its vision tower gets no gradient there: DDP must allow that.
     accelerator = make_accelerator(cfg, find_unused_parameters=True)
     validate(cfg, accelerator.num_processes)

@@ -39,6 +39,9 @@ def test_text_free_flags_are_checked_before_anything_loads():
     for bad in (dict(reflect_refine=True), dict(tune_text_cot=True), dict(conditioning="policy")):
         with pytest.raises(ConfigError, match="--text_free has no VLM: it runs with --reflect_refine false"):
             tm.validate(_cfg(**bad), 4)
+        # what the script does first: --text_free alone sets them (the defaults reason, reflect and read the VLM)
+        assert tm.text_free_settings(_cfg(**bad)) == _cfg()
+    tm.validate(tm.text_free_settings(tm.MixGRPOConfig(text_free=True)), 4)
     tm.validate(_cfg(num_timesteps_gen=10, sde_window_size=2, sde_window_range=[0, 5]), 4)
     for window, size in (([0, 1], 2), ([3, 10], 2), ([0, 5, 6], 2), ([0, 5], 0), ([-1, 4], 2)):
         with pytest.raises(ConfigError, match="--sde_window_range"):
