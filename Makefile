@@ -32,11 +32,7 @@ demo: install
 lint: install-dev
 	$(VENV)/bin/ruff check .
 
-# Two tiers; CI (.ci/run) runs both. `make test`, the fast tier: every unit and in-process test and one end-to-end
-# launch per capability (under 10 minutes of pytest on 2 cores). `make test-full`: the rest (marked full: each launch
-# variant, each ZeRO stage, the recipe and model-family matrices). `make test-build` runs the test marked build:
-# every shipped tiny model (tiny/weights/) retrained and compared byte for byte, about 80 CPU minutes, more than
-# CI's budget leaves (the full tier retrains the two cheap ones).
+# The test tiers (fast, full, unit, build) and what each runs: docs/testing.md.
 test: lint
 	$(PY) -m pytest -q -m "not full and not build"
 

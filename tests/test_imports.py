@@ -11,7 +11,7 @@ SCRIPTS = ("train_grpo", "train_sft", "train_mixgrpo", "evaluate", "distill", "i
 LIBRARY = ("utils", "kernels", "rewards", "tiny", "bench")
 # bench_grpo.py times train_grpo.main itself (as a test runs a script), tiny_hard_stage_arms.py reruns iterate.py's
 # hard stage with iterate's own recipe and runner: the script is what they measure.
-MEASURES_A_SCRIPT = {("bench.bench_grpo", "train_grpo"), ("bench.tiny_hard_stage_arms", "iterate")}
+MEASURES_A_SCRIPT = {("bench.bench_grpo", "train_grpo"), ("bench.experiments.tiny_hard_stage_arms", "iterate")}
 
 
 def project_modules():

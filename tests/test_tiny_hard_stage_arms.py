@@ -1,11 +1,12 @@
-"""bench/tiny_hard_stage_arms.py's arms: the names it reads, the random-questions draw, the per-answer checks."""
+"""bench/experiments/tiny_hard_stage_arms.py's arms: the names it reads, the random-questions draw, the per-answer
+checks."""
 
 import json
 from collections import Counter
 
 import pytest
 
-from bench.tiny_hard_stage_arms import answer_stats, parse_arm, random_levels
+from bench.experiments.tiny_hard_stage_arms import answer_stats, parse_arm, random_levels
 
 
 def test_arm_names():

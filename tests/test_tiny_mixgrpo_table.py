@@ -1,10 +1,11 @@
-"""bench/tiny_mixgrpo_table.py: the results table of both-stage tiny Mix-GRPO runs and the issue's targets."""
+"""bench/experiments/tiny_mixgrpo_table.py: the results table of both-stage tiny Mix-GRPO runs and the issue's
+targets."""
 
 import json
 import subprocess
 import sys
 
-from bench.tiny_mixgrpo_table import run_row, tables
+from bench.experiments.tiny_mixgrpo_table import run_row, tables
 
 
 def _summary(reason, refine, perfect_worse, detected, rounds):
@@ -35,6 +36,6 @@ def test_targets_are_means_over_runs_and_each_is_judged():
 
 def test_a_run_without_refine_scores_is_named(tmp_path):
     (tmp_path / "train_summary.json").write_text(json.dumps({"heldout_reward_after": 0.5}))
-    out = subprocess.run([sys.executable, "bench/tiny_mixgrpo_table.py", str(tmp_path)], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "bench/experiments/tiny_mixgrpo_table.py", str(tmp_path)],
+                         capture_output=True, text=True)
     assert out.returncode != 0 and f"{tmp_path}/train_summary.json: no held-out reason + refine" in out.stderr

@@ -1,8 +1,8 @@
-"""bench/tiny_planner_reads.py: the numbers it prints about a planner's greedy plans."""
+"""bench/experiments/tiny_planner_reads.py: the numbers it prints about a planner's greedy plans."""
 
 import pytest
 
-from bench.tiny_planner_reads import plan_columns, plan_stats
+from bench.experiments.tiny_planner_reads import plan_columns, plan_stats
 
 ROWS = [{"prompt": "a photo of a red square", "include": [{"class": "square", "count": 1, "color": "red"}]},
         {"prompt": "a photo of two circles", "include": [{"class": "circle", "count": 2}]},

@@ -1,6 +1,6 @@
 """What a planner VLM writes for train_mixgrpo's reason prompt, and whether it reads the prompt at all.
 
-Used by bench/tiny_generator_report.py (`--planner`) and the tiny planner's build test.
+Used by bench/experiments/tiny_generator_report.py (`--planner`) and the tiny planner's build test.
 """
 
 import torch

@@ -3,7 +3,8 @@ its edit fixes the draft.
 
 A reflection is right when its instruction, read back (`tiny.edits.parse_instruction`) and carried out on the
 draft (`apply_edit`), gives the prompt's render (same objects, colours and cells), or when it says "no further edit
-needed" for a draft that already is the render. Used by bench/tiny_reflector_report.py and the reflector's tests.
+needed" for a draft that already is the render. Used by bench/experiments/tiny_reflector_report.py and the reflector's
+tests.
 """
 
 import json

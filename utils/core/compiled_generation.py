@@ -12,6 +12,8 @@ differently (tests/test_compiled_generation.py measures how often).
 The compiled step reads the module's parameters at each call: an optimizer step (in place) is seen by the next
 rollout without recompiling. One compiled step serves the whole run; a new batch size or cache bucket compiles once
 more. Caches are sized to the next power of two of prompt + completion tokens, so a run compiles a handful of times.
+
+Used by train_grpo.py alone (and bench/bench_compiled_rollout.py, which times it).
 """
 
 import contextlib

@@ -5,6 +5,8 @@ walks the stages is `utils.core.samplers.CurriculumSampler`.
 A question's difficulty is its `difficulty` column when the data set has one, or a score in [0, 1]:
 the error rate of the current model over k sampled answers, optionally averaged with a quality rating
 r in [0, 1] as (error_rate + (1 - r)) / 2. Scores split into tertiles or at fixed thresholds.
+
+Used by train_grpo.py alone (--curriculum).
 """
 
 import torch

@@ -9,6 +9,8 @@ In training, the per-objective gradients are those of the whole optimizer step: 
 them over the step's micro-batches, averages them over the processes (as DDP averages a plain gradient),
 and only then projects, so the update does not depend on how the step is split into micro-batches or
 processes. It keeps one float32 copy of the trainable parameters per objective.
+
+Used by train_grpo.py alone (--use_pcgrad).
 """
 
 import torch

@@ -20,6 +20,8 @@ official rules (evaluate.py --benchmark; docs/evaluation.md has the details and 
 
 A file is read as JSON (a list, or MathVista's dict keyed by pid), JSONL, or anything `utils.core.data.load_table` reads
 (the hub releases' parquet or a save_to_disk folder); relative image paths are resolved from the data file's folder.
+
+Used by evaluate.py alone (--benchmark).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Mix-GRPO's held-out evaluation (beside utils.eval.heldout, GRPO's and SFT's): greedy reasoning, ODE images scored
 by the image reward, optionally reflected on and refined; the before / after summary of a run. Shared by
-train_mixgrpo.py and bench/tiny_mixgrpo_eval.py."""
+train_mixgrpo.py and bench/experiments/tiny_mixgrpo_eval.py."""
 
 from __future__ import annotations
 

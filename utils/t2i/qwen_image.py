@@ -88,7 +88,9 @@ class QwenImageGenerator(FlowGenerator):
     The text encoder may be the policy VLM (components={"text_encoder": vlm, "tokenizer": ..., "processor": ...}).
     conditioning="base": encode with its base weights and no grad (LoRA layers off; a policy VLM without LoRA is
     deep-copied and frozen once, copy_text_encoder=None deciding so), so RL on the text does not move the image
-    model's input. conditioning="policy": the VLM as it is, with grad when enabled (the image loss trains it).
+    model's input. conditioning="policy": the VLM as it is (LoRA on), with grad when enabled: a caller that keeps the
+    graph would train the VLM through the image loss; train_mixgrpo.py detaches the rollout's condition, so there the
+    image loss trains the generator only.
     edit_area: the pixel area the edit pipeline resizes the input image to (its constant 1024 * 1024).
     Both pipelines drop the template's system prompt as counted by their tokenizer (`template_prefix_length`).
     """

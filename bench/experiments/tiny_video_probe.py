@@ -1,7 +1,7 @@
 """Does a tiny VLM's vision tower see what the video questions ask? A linear probe on its video features.
 
-    python bench/tiny_video_probe.py                       # the cached tiny-video-sft warm start
-    python bench/tiny_video_probe.py --model outputs/tiny-video-seed0/checkpoint-100 --train_rows 3000
+    python bench/experiments/tiny_video_probe.py                       # the cached tiny-video-sft warm start
+    python bench/experiments/tiny_video_probe.py --model outputs/tiny-video-seed0/checkpoint-100 --train_rows 3000
 
 For each kind of the tiny video task (tiny/video_shapes.py: direction, frames, last) it fits a linear softmax
 classifier on the model's merged video features (all tokens of a clip, flattened and standardised) of the first
@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from tiny.cache import TINY_VIDEO_DATASET, TINY_VIDEO_SFT_MODEL, resolve_dataset, resolve_tiny_name  # noqa: E402
 from utils.core.data import load_vqa  # noqa: E402
@@ -66,7 +67,7 @@ def model_accuracy_by_kind(model_path, data, output_dir):
                     "--fps", str(FRAMES["fps"]), "--max_frames", str(FRAMES["max_frames"]),
                     "--video_min_pixels", str(FRAMES["min_pixels"]), "--video_max_pixels", str(FRAMES["max_pixels"]),
                     "--group_by", "kind", "--max_new_tokens", "128", "--output_dir", output_dir],
-                   check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                   check=True, capture_output=True, cwd=REPO)
     with open(os.path.join(output_dir, "metrics.json")) as f:
         metrics = json.load(f)
     return {key.split("=", 1)[1]: value for key, value in metrics.items() if key.startswith("accuracy/kind=")}

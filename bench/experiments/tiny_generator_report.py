@@ -1,7 +1,7 @@
 """Held-out `shapes_t2i` scores of the tiny generator's ODE samples, per tag, and a grid of its images.
 
-    python bench/tiny_generator_report.py                        # the cached default generator (built on first use)
-    python bench/tiny_generator_report.py --path DIR --guidance_scale 1 2 4 --grid docs/results/grid.png
+    python bench/experiments/tiny_generator_report.py                # the cached default generator (built on first use)
+    python bench/experiments/tiny_generator_report.py --path DIR --guidance_scale 1 2 4 --grid docs/results/grid.png
 
 For every guidance scale it samples the held-out rows (make_t2i_prompts(n, seed=1): layouts and prompts never
 rendered for training, though the prompt strings repeat: the tiny world has ~180 of them) with `num_steps` ODE
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiny.generator import (  # noqa: E402
     SUMMARY,

@@ -1,8 +1,8 @@
 """Right answer, wrong reasons, in miniature: the tiny GRPO recipe with CPR against the answer-only ablation.
 
-    python bench/tiny_faithfulness.py                 # both recipes, seeds 0 and 1 (about 7-8 min per run on 2 cores)
-    python bench/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo
-    python bench/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo --tag dynamic \
+    python bench/experiments/tiny_faithfulness.py       # both recipes, seeds 0 and 1 (about 7-8 min per run on 2 cores)
+    python bench/experiments/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo
+    python bench/experiments/tiny_faithfulness.py --seeds 0 1 2 --recipes tiny_grpo --tag dynamic \
         --train_flags "--dynamic_sampling true" --skip_evaluate          # held-out accuracy only
 
 For each recipe and seed it runs `train_grpo.py --config recipes/<recipe>.yaml --seed S` (skipped when
@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(cmd):

@@ -1,7 +1,7 @@
 """What a tiny planner reads from its prompt, and what its greedy plans look like: before and after RL.
 
-    python bench/tiny_planner_reads.py tiny-planner                                  # the shipped warm start
-    python bench/tiny_planner_reads.py tiny-planner outputs/tiny-mixgrpo/checkpoint-400  # and a trained policy
+    python bench/experiments/tiny_planner_reads.py tiny-planner                               # the shipped warm start
+    python bench/experiments/tiny_planner_reads.py tiny-planner outputs/tiny-mixgrpo/checkpoint-400  # and after RL
 
 For each planner (a tiny model name, a folder, or a train_mixgrpo checkpoint) it prints the shape reading and the
 colour reading (tiny.planner: teacher-forced, renormalised over the shape / colour words; chance 1/3 and 1/5 when
@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiny.cache import TINY_MODELS  # noqa: E402
 from tiny.generator import heldout_rows  # noqa: E402

@@ -1,6 +1,7 @@
 """Held-out score of Mix-GRPO runs, before and after, over more prompts and noise seeds than a run's own evaluation.
 
-    python bench/tiny_mixgrpo_eval.py outputs/tiny-mixgrpo [RUN ...] --noise_seeds 100 101 102 --eval_samples 256
+    python bench/experiments/tiny_mixgrpo_eval.py outputs/tiny-mixgrpo [RUN ...] --noise_seeds 100 101 102 \\
+        --eval_samples 256
 
 A run evaluates its held-out prompts once, each from one noise seed, so its before -> after moves with the draw of
 that noise as much as with training. This re-evaluates a run's warm start (its config's VLM and generator, as
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 import torch
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiny.cache import resolve_tiny_t2i  # noqa: E402
 from utils.core.checkpoint import latest_checkpoint  # noqa: E402

@@ -1,8 +1,8 @@
 """Does the tiny reflector see better after a describe task? An experiment on the reflector warm start's eye.
 
-    python bench/tiny_reflector_eye.py --out outputs/eye                          # as tiny-reflector is built
-    python bench/tiny_reflector_eye.py --out outputs/eye0 --describe_steps 0      # the reflect SFT alone
-    python bench/tiny_reflector_eye.py --probe tiny-reflector DIR ...             # is the colour in the image tokens?
+    python bench/experiments/tiny_reflector_eye.py --out outputs/eye                        # as tiny-reflector is built
+    python bench/experiments/tiny_reflector_eye.py --out outputs/eye0 --describe_steps 0      # the reflect SFT alone
+    python bench/experiments/tiny_reflector_eye.py --probe tiny-reflector DIR ...   # is the colour in the image tokens?
 
 Both arms start from tiny-planner with tiny-sft's vision tower and merger and end with the same reflect SFT
 (recipes/stages/tiny_reflector.yaml on the reflector's rows, planner rows replayed). With --describe_steps > 0 a
@@ -11,8 +11,8 @@ tiny.reflector.DESCRIBE_PROMPT -> "I see <plan of the draft>", at the same recip
 lr (1e-3) on 8192 drafts of seed 7 is tiny-describer, which tiny-reflector is trained from (tiny/cache.py). Printed
 and written to OUT/scores.json, on the held-out reflector rows: what the description (after the describe SFT) and
 the reflection's "I see ..." get right (count, colours, every object), and the reflection scores of
-bench/tiny_reflector_report.py. --probe fits a linear probe (logistic regression) of an object's colour on the
-merged image token of its cell, over one-object drafts (half to fit, half to test), and prints its test accuracy:
+bench/experiments/tiny_reflector_report.py. --probe fits a linear probe (logistic regression) of an object's colour on
+the merged image token of its cell, over one-object drafts (half to fit, half to test), and prints its test accuracy:
 whether the eye passes the colour on, whatever the language model does with it.
 """
 
@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiny import cache  # noqa: E402
 from tiny.edits import reflector_rows  # noqa: E402

@@ -1,8 +1,8 @@
 """Held-out edit success of the tiny edit generator against the identity edit and its untrained (warm-start)
 transformer, per edit kind, and a grid of its edits.
 
-    python bench/tiny_edit_generator_report.py                 # the cached default edit generator (built on first use)
-    python bench/tiny_edit_generator_report.py --path DIR --n 256 --grid docs/results/grid.png --json out.json
+    python bench/experiments/tiny_edit_generator_report.py      # the cached default edit generator (built on first use)
+    python bench/experiments/tiny_edit_generator_report.py --path DIR --n 256 --grid grid.png --json out.json
 
 It edits the held-out triples (tiny.edits.edit_triples(n, seed=1): the synthetic:edits test split) with ODE steps
 under the tiny Mix-GRPO recipe's refine guidance (tiny.edit_generator.EVAL_GUIDANCE), and counts an edit a success
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiny.edit_generator import EVAL_GUIDANCE, OUTCOMES, evaluate_edit_generator, grid_png, to_tensor  # noqa: E402
 

@@ -2,9 +2,9 @@
 accuracy (docs/results/2026-12-01-tiny-cycles.md: 0.705 -> 0.550 over three seeds).
 
     python iterate.py --num_cycles 1 --seed S --output_dir RUN   # stopped once cycle-1/grpo-hard starts
-    python bench/tiny_hard_stage_arms.py --run_dir RUN --arms unfrozen-hard frozen-hard unfrozen-random \\
+    python bench/experiments/tiny_hard_stage_arms.py --run_dir RUN --arms unfrozen-hard frozen-hard unfrozen-random \\
         frozen-random unfrozen-hard-lr1e-05
-    python bench/tiny_hard_stage_arms.py --run_dir RUN0 RUN1 RUN2                # the table of every arm
+    python bench/experiments/tiny_hard_stage_arms.py --run_dir RUN0 RUN1 RUN2                # the table of every arm
 
 Each arm starts from the model iterate.py hands to the hard stage (the medium stage's pick) with the hard stage's
 recipe exactly as iterate.py builds it, changed only by the arm:
@@ -31,7 +31,7 @@ import shutil
 import sys
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import iterate  # noqa: E402
 from utils.core.config import parse_config  # noqa: E402

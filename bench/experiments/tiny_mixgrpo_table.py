@@ -1,7 +1,7 @@
 """The table of a results page from tiny Mix-GRPO runs with both stages: each run's held-out reason and reason +
 refine scores before and after training (train_summary.json), and the issue's targets as means over the runs.
 
-    python bench/tiny_mixgrpo_table.py outputs/mix/s0 outputs/mix/s1 outputs/mix/s2
+    python bench/experiments/tiny_mixgrpo_table.py outputs/mix/s0 outputs/mix/s1 outputs/mix/s2
 """
 
 import argparse

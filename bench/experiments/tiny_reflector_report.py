@@ -1,8 +1,8 @@
 """Held-out scores of the tiny reflector (the warm start of the tiny job's reflect stage) against the planner it
 starts from.
 
-    python bench/tiny_reflector_report.py                          # tiny-reflector vs tiny-planner (built on first use)
-    python bench/tiny_reflector_report.py --models tiny-reflector DIR --n 256
+    python bench/experiments/tiny_reflector_report.py              # tiny-reflector vs tiny-planner (built on first use)
+    python bench/experiments/tiny_reflector_report.py --models tiny-reflector DIR --n 256
 
 Each model reflects greedily on the held-out reflector rows (synthetic:reflect's test split: prompts and flawed
 drafts of another seed) under train_mixgrpo's reflect prompt. A reflection is right when its instruction, carried
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tiny.cache import (  # noqa: E402
     REFLECT_SPLITS,
