@@ -244,3 +244,30 @@ def test_fsdp_units_are_set_and_double_activation_checkpointing_is_refused():
     with pytest.raises(Prepared, match=r"\['Linear'\]"):  # the classes the model holds, on the prepared module
         prepare_training(accelerator, cfg, model, list(model.parameters()), max_steps=1, num_warmup_steps=0,
                          micro_batch_size=1)
+
+
+def test_adamw_state_filled_up_front_gives_the_same_updates():
+    # a parameter reached only at step 2 (the tower in Mix-GRPO before its first reflect step): AdamW's state made
+    # at prepare time (utils/core/fsdp.py, for FSDP checkpoints) gives the updates of its lazy state exactly
+    import torch
+
+    from utils.core.fsdp import init_adamw_state
+
+    def run(prefill):
+        torch.manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+        opt = torch.optim.AdamW([a, b], lr=0.1, weight_decay=0.01)
+        if prefill:
+            init_adamw_state(opt)
+            assert len(opt.state) == 2 and opt.state[b]["step"].item() == 0
+        for step in range(3):
+            loss = (a ** 2).sum() + ((b ** 3).sum() if step > 0 else 0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return a.detach().clone(), b.detach().clone(), opt.state[b]["step"].item()
+
+    lazy, filled = run(False), run(True)
+    assert torch.equal(lazy[0], filled[0]) and torch.equal(lazy[1], filled[1]) and lazy[2] == filled[2] == 2
+    with pytest.raises(ValueError, match="SGD is not AdamW"):
+        init_adamw_state(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))

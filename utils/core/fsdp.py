@@ -6,6 +6,11 @@ units, and whole weights for generation.
   classes a given checkpoint may not hold (Gemma 3's SiglipTextEmbeddings, Gemma 4's audio layers), which accelerate
   refuses. `fsdp_layer_classes` is the union of the lists of every model inside, kept to the classes present;
   `prepare_training` sets it on the module it prepares under FSDP.
+- **Optimizer state.** torch.distributed.checkpoint saves the AdamW state parameters have, and on resume expects one
+  for every parameter (the fresh optimizer is initialised whole before loading): a parameter no step has reached yet
+  (Mix-GRPO's vision tower before its first reflect step) made the resume fail. `init_adamw_state` gives every
+  parameter AdamW's initial state (step 0, zero moments) right after `prepare`: what AdamW would create at its first
+  gradient, so the updates are the same and every checkpoint is complete.
 - **Generation.** FSDP2 all-gathers a unit's weights in its forward and frees them after: every decoding step would
   be a collective, and processes whose completions end at different lengths would wait on each other forever.
   `fsdp2_unsharded` gathers every unit once (one full copy, as ZeRO-3's generation does) and keeps the weights
@@ -66,3 +71,21 @@ def fsdp2_unsharded(model):
             state._auto_reshard_after_forward = auto
             for group, info in groups:
                 group.post_forward_mesh_info = info
+
+
+def init_adamw_state(optimizer):
+    """AdamW's own first-step state (step 0, zero moments) for every parameter that has none yet; for AdamW this is
+    the same as the lazy one it creates at a parameter's first gradient."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    if not isinstance(inner, torch.optim.AdamW):
+        raise ValueError(f"init_adamw_state: {type(inner).__name__} is not AdamW")
+    for group in inner.param_groups:
+        for param in group["params"]:
+            state = inner.state[param]
+            if state:
+                continue
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)

@@ -26,7 +26,7 @@ from transformers import get_scheduler
 
 from utils.core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from utils.core.config import ConfigError, config_to_dict, save_config
-from utils.core.fsdp import fsdp_layer_classes
+from utils.core.fsdp import fsdp_layer_classes, init_adamw_state
 from utils.core.hub import HubUploader
 from utils.core.launch import accelerator_device_kwargs, set_cpu_threads
 from utils.core.precision import check_update_precision, deepspeed_master_weights
@@ -78,6 +78,8 @@ def prepare_training(accelerator, cfg, model, params, *, max_steps, num_warmup_s
                               "recomputes every layer's activations; keep one of the two")
         model._no_split_modules = fsdp_layer_classes(model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if accelerator.distributed_type.name == "FSDP":  # every checkpoint holds every parameter's state
+        init_adamw_state(optimizer)
     accelerator.register_for_checkpointing(scheduler)
     return model, optimizer, scheduler
 
