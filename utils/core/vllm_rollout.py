@@ -257,15 +257,16 @@ def tensor_parallel_group(world_size, tp):
 
 def gather_in_group(parts, group, rank_in_group):
     """Each list of `parts` concatenated over the group's processes in rank order, and the slice of this process's
-    entries (None entries, e.g. no videos, stay None when every process has None)."""
+    entries (a None part, e.g. no videos, stays None when every process has None; tensors travel as lists)."""
+    parts = tuple(p.tolist() if torch.is_tensor(p) else p for p in parts)
     gathered = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(gathered, parts, group=group)
     start = sum(len(p[0]) for p in gathered[:rank_in_group])
     joined = []
     for k in range(len(parts)):
         pieces = [p[k] for p in gathered]
-        joined.append(None if all(x is None for x in pieces) else
-                      [x for piece, p in zip(pieces, gathered) for x in (piece or [None] * len(p[0]))])
+        joined.append(None if all(x is None for x in pieces) else [
+            x for piece, p in zip(pieces, gathered) for x in (piece if piece is not None else [None] * len(p[0]))])
     return tuple(joined), slice(start, start + len(parts[0]))
 
 
