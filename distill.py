@@ -33,13 +33,17 @@ from typing import Optional
 
 import PIL.Image
 
+from rewards.judge import JudgeClient, JudgeError
 from tiny.cache import REPO, TINY_DATASET, resolve_dataset, resolve_tiny_name
 from utils.core.config import ConfigError, choice, parse_config, save_config
 from utils.core.data import IMAGE_MARKER, images_of, load_vqa, render_question
 from utils.core.errors import exit_on_bad_input
 from utils.core.launch import set_cpu_threads
+from utils.core.models import load_model_and_processor
 from utils.core.prompts import CAPTION_PROMPT, REASONER_PROMPT, SYSTEM_PROMPTS
+from utils.core.serving import LocalServer, serving_problem
 from utils.eval.chains import DROP_REASONS, REFLECTION_MARKERS, SELECT_RULES, Grader, filter_chains
+from utils.eval.heldout import generate_answers
 
 TINY_DISTILL_RECIPE = os.path.join(REPO, "recipes", "tiny_distill.yaml")
 SFT_FILE, DROPS_FILE, SUMMARY_FILE = "sft.jsonl", "drops.jsonl", "summary.json"
@@ -144,8 +148,6 @@ def validate(cfg):
     serve = ("--reasoner_serve" if cfg.chain_source == "reasoner" and cfg.reasoner_serve else
              "--model_serve" if cfg.chain_source == "model" and cfg.model_serve else None)
     if serve:
-        from utils.core.serving import serving_problem
-
         problem = serving_problem(f"distill.py {serve}")
         if problem:  # refused here, before any model is built or loaded
             raise ConfigError(problem)
@@ -246,8 +248,6 @@ class Writer:
 
     def collect(self, index, future):
         """Wait for one question's requests, then write it; a question whose requests failed is only counted."""
-        from rewards.judge import JudgeError
-
         try:
             chains, caption = future.result()
         except JudgeError as error:
@@ -281,8 +281,6 @@ def summarise(cfg, kept, drops, failed, seconds):
 
 
 def client(cfg, base_url, model, *, temperature, max_tokens):
-    from rewards.judge import JudgeClient
-
     return JudgeClient(base_url, model, api_key=cfg.api_key, timeout=cfg.request_timeout, max_retries=cfg.max_retries,
                        max_concurrency=cfg.max_concurrency, temperature=temperature, max_tokens=max_tokens,
                        backoff=cfg.retry_backoff)
@@ -290,8 +288,6 @@ def client(cfg, base_url, model, *, temperature, max_tokens):
 
 def load_local(name):
     import torch
-
-    from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(resolve_tiny_name(name))
     model.to("cuda" if torch.cuda.is_available() else "cpu")
@@ -302,8 +298,6 @@ def local_answers(model, processor, rows, *, prompt_template, max_new_tokens, ba
                   seed=0, question=None):
     """k completions per row from a local model (greedy when temperature <= 0), rows in order; `question`
     replaces every row's question (and drops its choices), e.g. the caption prompt."""
-    from utils.eval.heldout import generate_answers
-
     repeated = [dict(r, question=question, choices=None) if question else r for r in rows for _ in range(k)]
     texts = generate_answers(model, processor, repeated, prompt_template=prompt_template, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -382,8 +376,6 @@ def distill_with_endpoint(cfg, dataset, todo, writer, base_url, served):
 
 def serve(cfg, model, log_name):
     """`transformers serve` of a local model folder on 127.0.0.1 for this run (its log in --output_dir)."""
-    from utils.core.serving import LocalServer
-
     return LocalServer(resolve_tiny_name(model), threads=cfg.cpu_threads,
                        log_path=os.path.join(cfg.output_dir, log_name)).start()
 

@@ -29,16 +29,20 @@ from typing import Optional
 
 import torch
 
+from rewards import get_reward
 from tiny.cache import TINY_DATASET, resolve_dataset
 from utils.core.config import choice, config_to_dict, parse_config
 from utils.core.conversations import prompt_question, set_chat_template
 from utils.core.errors import exit_on_bad_input
 from utils.core.launch import set_cpu_threads
+from utils.core.models import load_model_and_processor
 from utils.core.prompts import PROMPT_TEMPLATES
+from utils.core.rollout import stop_token_ids
 from utils.core.tool_formats import tool_format
 from utils.core.tool_rollout import ToolRollout, context_limit
 from utils.core.tools import ToolBox, pixel_budget
 from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
+from utils.eval.benchmarks import BENCHMARKS, LLMAnswerExtractor, benchmark_correct, load_benchmark
 from utils.eval.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.eval.grading import (
     DEFAULT_ALPHA,
@@ -142,8 +146,6 @@ def validate(cfg):
     if cfg.base_url and not cfg.served_model_name:
         raise ValueError("--base_url needs --served_model_name (the model name the server serves)")
     if cfg.benchmark is not None:
-        from utils.eval.benchmarks import BENCHMARKS
-
         if cfg.benchmark not in BENCHMARKS:
             raise ValueError(f"--benchmark {cfg.benchmark!r}: choose from {', '.join(BENCHMARKS)}")
         if "crystal" in cfg.metrics:
@@ -178,8 +180,6 @@ def validate(cfg):
 
 def load_rows(cfg):
     if cfg.benchmark:
-        from utils.eval.benchmarks import load_benchmark
-
         return load_benchmark(cfg.benchmark, cfg.dataset, split=cfg.split, max_samples=cfg.max_samples)
     path = resolve_dataset(cfg.dataset)
     # TRL's prompt column when the data set has one, else the question/image columns
@@ -199,7 +199,6 @@ def generate(cfg, model_path, rows):
                                        system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_new_tokens,
                                        temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key,
                                        prompt_column=cfg.prompt_column)
-    from utils.core.models import load_model_and_processor
 
     model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
                                                 attn_implementation=cfg.attn_implementation,
@@ -220,7 +219,6 @@ def tool_loop(cfg, model, processor, model_path):
     and the tools' tokens; None without tools."""
     if not cfg.tools:
         return None
-    from utils.core.rollout import stop_token_ids
 
     tokenizer = getattr(processor, "tokenizer", processor)
     stop_ids = stop_token_ids(model, tokenizer)
@@ -268,8 +266,6 @@ def score(cfg, rows, texts, output_dir):
         for key in ("match_f1", "ordered_match_f1"):
             metrics.update(group_means(rows, [per_sample[r["id"]][key] for r in records], cfg.group_by, key))
     if "math" in cfg.metrics:
-        from rewards import get_reward
-
         values = get_reward("math_accuracy")(texts, answer=[str(r["answer"]) for r in rows])
         metrics["math_accuracy"] = sum(values) / max(len(values), 1)
         metrics.update(group_means(rows, values, cfg.group_by, "math_accuracy"))
@@ -293,7 +289,6 @@ def benchmark_judge(cfg):
     without --benchmark."""
     if not cfg.benchmark:
         return None
-    from utils.eval.benchmarks import LLMAnswerExtractor, benchmark_correct
 
     extractor = (LLMAnswerExtractor(cfg.answer_extractor_base_url, cfg.answer_extractor_model, api_key=cfg.api_key)
                  if cfg.answer_extractor_base_url else None)

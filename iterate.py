@@ -37,10 +37,17 @@ from typing import Optional
 
 import yaml
 
-from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET
+import distill
+import evaluate
+import train_grpo
+import train_sft
+from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET, resolve_dataset, resolve_tiny_name
+from utils.core.checkpoint import latest_checkpoint
 from utils.core.config import ConfigError, choice, parse_config, save_config
+from utils.core.data import load_vqa
 from utils.core.errors import exit_on_bad_input
-from utils.core.serving import die_with_parent
+from utils.core.serving import die_with_parent, serving_problem
+from utils.eval.keywords import keyword_shares, sft_efficacy_score
 
 TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
 STAGE_FILE = "stage.json"
@@ -125,8 +132,6 @@ def validate(cfg):
     if cfg.next_data_serve and cfg.next_data != "model":
         raise ConfigError("--next_data_serve serves the previous cycle's model: it needs --next_data model")
     if cfg.next_data_serve and cfg.num_cycles > 1:
-        from utils.core.serving import serving_problem
-
         problem = serving_problem("iterate.py --next_data_serve")
         if problem:  # before any stage or tiny-model build
             raise ConfigError(problem)
@@ -193,12 +198,7 @@ def start_stage(name, folder, values, config_cls, restart=False):
 
 
 def script_configs():
-    """The config classes of the stage scripts (importing them loads no model)."""
-    import distill
-    import evaluate
-    import train_grpo
-    import train_sft
-
+    """The config classes of the stage scripts."""
     return {"distill": distill.DistillConfig, "sft": train_sft.SFTConfig, "grpo": train_grpo.GRPOConfig,
             "evaluate": evaluate.EvalConfig}
 
@@ -308,8 +308,6 @@ class Runner:
 
 
 def final_checkpoint(folder):
-    from utils.core.checkpoint import latest_checkpoint
-
     path = latest_checkpoint(folder)
     if path is None:
         raise SystemExit(f"iterate: {folder} has no complete checkpoint although its script succeeded")
@@ -348,9 +346,6 @@ def write_rows_once(out, source, make):
 
 
 def _load_rows(dataset, split, cfg):
-    from tiny.cache import resolve_dataset
-    from utils.core.data import load_vqa
-
     path = resolve_dataset(dataset)
     return load_vqa(path, split=split, image_column=cfg.rl_image_column, question_column=cfg.rl_question_column,
                     answer_column=cfg.rl_answer_column, require_steps=False)
@@ -461,8 +456,6 @@ def completions(folder):
 
 def keyword_summary(base_texts, sft_texts):
     """Keyword hits per response of the base and the SFT model, and each used keyword's share of all hits."""
-    from utils.eval.keywords import keyword_shares
-
     out = {}
     for name, texts in (("base", base_texts), ("sft", sft_texts)):
         counted = keyword_shares(texts)
@@ -473,8 +466,6 @@ def keyword_summary(base_texts, sft_texts):
 
 def write_report(cfg, base_eval, cycles):
     """report.json (every number) and report.png (accuracy after each stage, keyword frequencies)."""
-    from utils.eval.keywords import sft_efficacy_score
-
     base_texts = completions(base_eval)
     report = {"base_model": cfg.base_model, "seed": cfg.seed, "base": eval_metrics(base_eval), "cycles": []}
     for c in cycles:
@@ -608,16 +599,12 @@ def run_cycles(cfg: IterateConfig, runner):
                                           ("grpo", cfg.grpo_hard_recipe, cfg.grpo_hard)):
             write_recipe(stage_recipe(recipe, overrides, {"output_dir": check_dir}),
                          os.path.join(check_dir, "r.yaml"), configs[script])
-        import distill
-
         distill.validate(write_recipe(stage_recipe(cfg.distill_recipe, cfg.distill,
                                                    {"output_dir": check_dir, **template}),
                                       os.path.join(check_dir, "r.yaml"), configs["distill"]))
     finally:
         shutil.rmtree(check_dir, ignore_errors=True)
     rl_data = os.path.join(out, "rl-data")
-
-    from tiny.cache import resolve_tiny_name
 
     base_model = resolve_tiny_name(cfg.base_model)
     write_rl_data(cfg, rl_data)

@@ -20,6 +20,9 @@ import importlib
 import inspect
 from typing import Callable
 
+from rewards.common import RewardFunction
+from rewards.reward_model import TextRewardModel, is_reward_model_name
+
 __all__ = ["get_reward", "list_rewards", "register"]
 
 # name -> "module:factory"; imported on first use so `import rewards` stays light (no sympy, torch, HTTP).
@@ -90,8 +93,6 @@ def get_reward(name: str | Callable, **options) -> Callable:
     elif name in _BUILTIN:
         factory = _import(_BUILTIN[name])
     else:
-        from rewards.reward_model import TextRewardModel, is_reward_model_name
-
         if not is_reward_model_name(name):
             raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(list_rewards())} "
                              f"(or 'package.module:function' for your own, or a reward model's folder or hub id)")
@@ -133,6 +134,5 @@ def _check_options(name: str, factory: Callable, options: dict) -> None:
 def _bind(fn: Callable, options: dict, name: str) -> Callable:
     if not options:
         return fn
-    from rewards.common import RewardFunction
 
     return RewardFunction(name, fn, **options)

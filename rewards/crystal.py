@@ -21,6 +21,7 @@ from typing import Any
 from crystal_metrics import rewards as cm
 
 from rewards.common import RewardFunction, completion_texts, optional_column, require_column
+from rewards.geneval import RewardServerError
 
 # CRYSTAL paper defaults; the reasoning thresholds are crystal-metrics' own defaults.
 CPR_ANSWER_WEIGHT = 0.6
@@ -119,8 +120,6 @@ def _accuracy(completions, *, use_llm_grader, llm_model, base_url, **columns) ->
     if not use_llm_grader:
         return _mask_missing(cm.accuracy_reward(completion_texts(completions), **kwargs), truths)
     from crystal_metrics import judge
-
-    from rewards.geneval import RewardServerError
 
     original = judge.LLMGrader  # read by AccuracyCalculator when it builds its grader
     judge.LLMGrader = _reporting_grader(original)

@@ -15,6 +15,9 @@ import os
 import threading
 from typing import Callable, Sequence
 
+from rewards.reward_model import resolve_device
+from utils.core.config import ConfigError
+
 OPTIONAL_REQUIREMENTS = "requirements-rewards.txt"
 # the module each optional package is imported as -> its name on the package index
 PACKAGES = {"open_clip": "open_clip_torch", "rapidocr": "rapidocr", "onnxruntime": "onnxruntime",
@@ -26,8 +29,6 @@ _LOCK = threading.Lock()
 
 def require(reward: str, *modules: str) -> None:
     """Refuse, in one line naming the requirements file, a reward whose package is not installed."""
-    from utils.core.config import ConfigError
-
     for module in modules:
         try:
             importlib.import_module(module)
@@ -40,8 +41,6 @@ def require(reward: str, *modules: str) -> None:
 def reward_device(device: str | None):
     """The device a reward model runs on: ``auto`` (or None) takes this process's GPU (``cuda:$LOCAL_RANK``), else the
     CPU; anything else is a torch device (the text reward models' rule)."""
-    from rewards.reward_model import resolve_device
-
     return resolve_device(device or "auto")
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 
+from rewards import get_reward
 from rewards.common import RewardFunction
 
 
 def weighted_reward(weights: dict, reward_kwargs: dict | None = None):
-    from rewards import get_reward
-
     if not isinstance(weights, dict) or not weights:
         raise ValueError(f"weighted: weights must be a non-empty {{reward name: weight}} mapping, got {weights!r}")
     reward_kwargs = dict(reward_kwargs or {})

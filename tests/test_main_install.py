@@ -52,6 +52,8 @@ def test_iterate_refuses_before_any_build(no_serving, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiny.cache, "resolve_tiny_name", no_build)
     monkeypatch.setattr(tiny.cache, "shapes_dataset_path", no_build)
+    monkeypatch.setattr(iterate, "resolve_tiny_name", no_build)  # the names iterate.py calls them by
+    monkeypatch.setattr(iterate, "resolve_dataset", no_build)
     cfg = parse_config(IterateConfig, ["--config", iterate.TINY_CYCLES_RECIPE, "--output_dir", str(tmp_path / "run")])
     with pytest.raises(ConfigError, match=rf"needs `transformers serve`.*{FIX}"):
         iterate.main(cfg)

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from rewards.models import score_mlp
+
 TEXT_WIDTH, VISION_WIDTH, PROJECTION = 32, 64, 16
 IMAGE_SIZE, PATCH = 32, 8
 
@@ -85,8 +87,6 @@ def make_tiny_clip(out_dir: str, seed: int = 0, projection_dim: int = PROJECTION
 def make_tiny_aesthetic(out_dir: str, seed: int = 0):
     """A tiny CLIP in ``out_dir/clip`` and the aesthetic MLP on its embedding in ``out_dir/mlp/aesthetic-model.pth``
     (the improved aesthetic predictor's layers); returns (clip folder, mlp folder, model, processor, mlp state)."""
-    from rewards.models import score_mlp
-
     model, processor = make_tiny_clip(os.path.join(out_dir, "clip"), seed=seed)
     torch.manual_seed(seed + 1)
     mlp = score_mlp(PROJECTION)
@@ -145,8 +145,6 @@ def make_tiny_imagereward(out_dir: str, seed: int = 0):
     from transformers import BlipTextConfig, BlipVisionConfig
     from transformers.models.blip.modeling_blip import BlipVisionModel
     from transformers.models.blip.modeling_blip_text import BlipTextModel
-
-    from rewards.models import score_mlp
 
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = tiny_bert_tokenizer(os.path.join(out_dir, "tokenizer"))

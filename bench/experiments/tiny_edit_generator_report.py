@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tiny.cache import tiny_edit_generator_path
 from tiny.edit_generator import EVAL_GUIDANCE, OUTCOMES, evaluate_edit_generator, grid_png, to_tensor  # noqa: E402
 
 
@@ -49,8 +50,6 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="write the tables here")
     args = parser.parse_args(argv)
     if args.path is None:
-        from tiny.cache import tiny_edit_generator_path
-
         args.path = tiny_edit_generator_path()
     out = evaluate_edit_generator(args.path, n=args.n, seed=args.seed, image_scale=args.image_scale,
                                   guidance_scale=args.guidance_scale, num_steps=args.num_steps,

@@ -20,7 +20,12 @@ import os
 import subprocess
 import sys
 
+import datasets
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from tiny.cache import shapes_dataset_path, tiny_sft_path  # noqa: E402
 
 
 def run(cmd):
@@ -39,10 +44,6 @@ def evaluate(model, out_dir):
 
 def held_out_objects():
     """id -> (question kind, number of objects) of the held-out shapes questions."""
-    import datasets
-
-    from tiny.cache import shapes_dataset_path
-
     test = datasets.load_from_disk(shapes_dataset_path())["test"].select_columns(["id", "kind", "objects"])
     return {r["id"]: (r["kind"], len(json.loads(r["objects"]))) for r in test}
 
@@ -74,10 +75,7 @@ def main():
     parser.add_argument("--skip_evaluate", action="store_true",
                         help="no evaluate.py pass: held-out accuracy (train_grpo.py's own) only")
     args = parser.parse_args()
-    sys.path.insert(0, REPO)
     os.chdir(REPO)  # the tiny cache and --out are relative to the repository
-    from tiny.cache import tiny_sft_path
-
     meta = held_out_objects()
     if not args.skip_evaluate:
         warm = os.path.join(args.out, "warm-start-eval")

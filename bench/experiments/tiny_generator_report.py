@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tiny.cache import tiny_generator_path
 from tiny.generator import (  # noqa: E402
     SUMMARY,
     TinyGeneratorConfig,
@@ -43,6 +44,7 @@ from tiny.generator import (  # noqa: E402
 from tiny.planner import load_planner, planner_plans, shape_reading  # noqa: E402
 from tiny.shapes import SHAPES  # noqa: E402
 from tiny.t2i import plan_matches_request  # noqa: E402
+from utils.t2i.adapters import QwenImageGenerator
 
 
 def markdown_table(tables):
@@ -126,11 +128,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from utils.t2i.adapters import QwenImageGenerator
-
     if args.path is None:
-        from tiny.cache import tiny_generator_path
-
         args.path = tiny_generator_path()
     with open(os.path.join(args.path, SUMMARY)) as f:
         summary = json.load(f)

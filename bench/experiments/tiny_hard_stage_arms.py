@@ -34,6 +34,8 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import iterate  # noqa: E402
+from tiny.cache import resolve_dataset
+from tiny.cycle import _counted
 from utils.core.config import parse_config  # noqa: E402
 
 LEVEL_COLUMN = iterate.ESTIMATED_DIFFICULTY
@@ -73,8 +75,6 @@ def _count(text):
 def answer_stats(records, rows):
     """Held-out answers (evaluate.py's generations.jsonl records, in row order) against the rows: accuracy per
     difficulty label, signed count error, and whether the listed objects are the ones the question asks about."""
-    from tiny.cycle import _counted
-
     by_level, errors, listed_ok, listed_agree, counting = {}, Counter(), 0, 0, 0
     for record, row in zip(records, rows, strict=True):
         by_level.setdefault(row["difficulty"], []).append(bool(record["correct"]))
@@ -102,8 +102,6 @@ def answer_stats(records, rows):
 def heldout_rows(cfg):
     """The held-out rows evaluate.py scores (the first --eval_samples), without their images."""
     import datasets
-
-    from tiny.cache import resolve_dataset
 
     rows = datasets.load_from_disk(resolve_dataset(cfg.eval_dataset))[cfg.eval_split]
     rows = rows.select(range(min(cfg.eval_samples or len(rows), len(rows)))).remove_columns("image")

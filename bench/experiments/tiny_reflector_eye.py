@@ -34,6 +34,8 @@ from tiny.reflector import (  # noqa: E402
     seen_scores,
     with_eye,
 )
+from tiny.shapes import DEFAULT_COLORS
+from utils.core.checkpoint import latest_checkpoint
 
 
 def once(path, build):
@@ -45,8 +47,6 @@ def once(path, build):
 
 
 def sft(out, model, data, steps, threads, lr=None):
-    from utils.core.checkpoint import latest_checkpoint
-
     if latest_checkpoint(out) is None or not os.path.exists(os.path.join(out, "train_summary.json")):
         subprocess.run([sys.executable, os.path.join(cache.REPO, "train_sft.py"), "--config",
                         cache.TINY_REFLECTOR_RECIPE, "--model_name_or_path", model, "--dataset_name", data,
@@ -69,8 +69,6 @@ def colour_probe(model_dir, n_rows=600, seed=5, epochs=300):
     """Test accuracy of a linear probe of the colour of a one-object draft's object on its cell's image token."""
     import torch
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from tiny.shapes import DEFAULT_COLORS
 
     path = cache.resolve_tiny_name(model_dir)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import datasets
 
+from utils.core.config import ConfigError
 from utils.core.data import images_of, load_vqa, render_question
-from utils.core.data_checks import image_cells, replace_columns, require_columns, video_column_cells
+from utils.core.data_checks import VIDEOS_FEATURE, image_cells, replace_columns, require_columns, video_column_cells
 from utils.core.data_sources import Source, open_source
 from utils.core.prompts import build_messages
 
@@ -191,8 +192,6 @@ def _load_prompts(table, source: Source, prompt_column, image_column, video_colu
         features[images_column] = datasets.List(datasets.Image()) if many else datasets.Image()
         drop.append(images_column)
     if videos is not None:
-        from utils.core.data_checks import VIDEOS_FEATURE
-
         new["videos"], features["videos"] = videos, VIDEOS_FEATURE
         drop.append(videos_column)
     if new:
@@ -247,8 +246,6 @@ def set_chat_template(processor, path):
     Checkpoints then save it with the model. None leaves the model's own."""
     import json
     import os
-
-    from utils.core.config import ConfigError
 
     if not path:
         return processor

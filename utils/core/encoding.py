@@ -5,6 +5,7 @@ image-token checks every encoded batch passes (prompts here, SFT batches in `uti
 import torch
 
 from utils.core.errors import ImageTokenError, InputError
+from utils.core.models import image_token_id, vision_feature_count
 from utils.core.video import check_video_tokens, processor_video_kwargs
 
 
@@ -74,8 +75,6 @@ def raise_for_sample(processor, sample_ids, texts, images, err, videos=None):
 def image_tokens_per_image(processor, image):
     """How many image tokens the processor gives `image` on its own (its family's placeholder, rendered by the
     chat template, expanded): pan-and-scan crops, tiles and resizing included. Cached per image size."""
-    from utils.core.models import image_token_id
-
     cache = processor.__dict__.setdefault("_mmgrpo_tokens_per_size", {})
     key = (image.size, getattr(image, "mode", None))
     if key not in cache:
@@ -91,8 +90,6 @@ def check_image_tokens(processor, input_ids, images, sample_ids):
     a length limit that cut an image, a template or processor call that repeated or dropped one. The model would
     otherwise fail on the batch ("image features and image tokens do not match") or, worse, run on a
     misaligned prompt."""
-    from utils.core.models import image_token_id
-
     token = image_token_id(processor)
     if token is None:
         return
@@ -108,8 +105,6 @@ def check_image_tokens(processor, input_ids, images, sample_ids):
 def check_features_match_tokens(config, inputs, input_ids=None):
     """Before a forward: the image tokens of the batch must be exactly as many as the image features its pixels
     produce (utils.core.models.vision_feature_count), e.g. after prompts were repeated per completion."""
-    from utils.core.models import image_token_id, vision_feature_count
-
     token = image_token_id(config)
     need = vision_feature_count(config, inputs) if token is not None else None
     if need is None:

@@ -10,6 +10,8 @@ script can re-exec itself under torch.distributed.run with N workers that form a
 import os
 import sys
 
+from utils.core.config import ConfigError
+
 
 def _parent_launch():
     """(num_processes, num_machines, machine_rank) of the parent `accelerate launch` command, or None.
@@ -55,8 +57,6 @@ def relaunch_multi_cpu_if_needed():
         return
     n, machines, machine_rank = parent
     if machines > 1:
-        from utils.core.config import ConfigError
-
         if not n or n % machines:
             raise ConfigError(f"accelerate launch --num_machines {machines} --num_processes {n}: the processes "
                               "must split evenly over the machines (--num_processes is the total)")
@@ -90,8 +90,6 @@ def accelerator_device_kwargs():
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return {"cpu": True}
     if os.environ.get("DS_ACCELERATOR", "").lower() != "cpu":
-        from utils.core.config import ConfigError
-
         raise ConfigError("a DeepSpeed accelerate config without a GPU needs DS_ACCELERATOR=cpu in the environment "
                           "(DeepSpeed picks its device at import), or a non-DeepSpeed config such as "
                           "accelerate_configs/cpu.yaml")
@@ -116,8 +114,6 @@ def set_cpu_threads(requested=None):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         requested = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if requested < 1:
-        from utils.core.config import ConfigError
-
         raise ConfigError(f"--cpu_threads {requested}: must be at least 1")
     torch.set_num_threads(requested)
     return requested

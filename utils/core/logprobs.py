@@ -6,7 +6,8 @@ from torch import nn
 
 from kernels import fused_token_logprobs
 from utils.core.encoding import check_features_match_tokens
-from utils.core.models import activation_checkpointing_on, adapters_disabled
+from utils.core.models import activation_checkpointing_on, adapters_disabled, load_model_and_processor
+from utils.core.packing import packed_completion_hidden
 from utils.core.rollout import cache_kwargs
 from utils.core.trajectories import PIXEL_KEYS, full_side, has_media, sequence_media, side_keys
 
@@ -58,8 +59,6 @@ class CompletionLogProbs(nn.Module):
         core = hf_core(self.model)
         labels = completion_mask if label_mask is None else label_mask
         if self.padding_free:
-            from utils.core.packing import packed_completion_hidden
-
             hidden, _ = packed_completion_hidden(core.base_model, prompt_inputs, prompt_index, completion_ids,
                                                  completion_mask, completion_inputs=completion_inputs)
             return self._head_logprobs(core, hidden, completion_ids, labels, temperature, return_entropy)
@@ -205,8 +204,6 @@ def prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=F
     With LoRA the base weights are the reference, so adapters are disabled instead of loading a copy.
     Under DeepSpeed the copy is sharded like the policy (ZeRO-3 inference engine).
     """
-    from utils.core.models import load_model_and_processor
-
     if cfg.use_peft:
         return AdapterDisabledReference(policy, accelerator)
     ref, _ = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,

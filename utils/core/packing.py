@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_flash_attention_utils import flash_attn_supports_top_left_mask
 
+from utils.core.config import ConfigError
 from utils.core.packed_attention import Segments  # registers the packed attention functions
 from utils.core.trajectories import full_side, has_media, packed_media, sequence_media, side_keys
 
@@ -68,8 +69,6 @@ def packing_unsupported_reason(model_or_config):
 def resolve_padding_free(flag, model, notice=print):
     """--padding_free: None packs where the model allows it (a one-line notice says why not), True requires it
     (an error with the reason), False keeps the padded pass."""
-    from utils.core.config import ConfigError
-
     reason = packing_unsupported_reason(model)
     if flag and reason:
         raise ConfigError(f"--padding_free: {reason}")

@@ -27,7 +27,8 @@ import math
 import torch
 
 from rewards import get_reward
-from rewards.common import TRAINER_KEYWORDS
+from rewards.common import TRAINER_KEYWORDS, process_rank
+from rewards.geneval import server_endpoints
 from utils.core.config import ConfigError
 
 
@@ -127,9 +128,6 @@ def build_image_reward(cfg):
         options.setdefault("reward_server_urls", cfg.reward_server_urls)
         options.setdefault("reward_server_port", cfg.reward_server_port)
     elif cfg.reward_fn in ("judge_geneval_plus", "judge_tiif"):
-        from rewards.common import process_rank
-        from rewards.geneval import server_endpoints
-
         # An OpenAI-compatible judge serves /v1 (unlike the GenEval server, which serves "/").
         endpoint = server_endpoints(cfg.reward_server_urls, cfg.reward_server_port)
         endpoint = endpoint[process_rank() % len(endpoint)].rstrip("/")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from utils.core.config import ConfigError
+from utils.core.config import ConfigError, config_to_dict
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -73,8 +73,6 @@ def _hparams(config) -> dict:
     if config is None:
         return {}
     if not isinstance(config, dict):
-        from utils.core.config import config_to_dict
-
         config = config_to_dict(config)
     return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in config.items()}
 

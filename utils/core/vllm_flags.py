@@ -4,6 +4,7 @@ why (colocated-engine flags in server mode name the vllm_serve.py flag that sets
 
 import torch
 
+from utils.core.config import ConfigError
 from utils.core.vllm_weights import VLLM_LORA_RANKS, vllm_max_lora_rank
 
 FLAG_DEFAULTS = {
@@ -45,8 +46,6 @@ def flag(cfg, name):
 def check_vllm_flags(cfg, num_processes):
     """The vLLM mode and its flags, before any model loads: each refusal names the flag and why. Returns whether this
     process needs vLLM itself (colocated engines; a server's NCCL group on a GPU), for `require_vllm`."""
-    from utils.core.config import ConfigError
-
     mode = flag(cfg, "vllm_mode")
     if mode not in VLLM_MODES:
         raise ConfigError(f"--vllm_mode {mode!r} is not one of {', '.join(VLLM_MODES)}")

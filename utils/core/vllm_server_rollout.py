@@ -7,8 +7,10 @@ import math
 
 import torch
 
+from utils.core.config import ConfigError
 from utils.core.fsdp import fsdp2_unsharded
 from utils.core.importance import importance_weights
+from utils.core.vllm_client import VLLMClient, server_base_url
 from utils.core.vllm_flags import flag
 from utils.core.vllm_rollout import VLLMRollout, on_device, pack_completions, request_inputs
 from utils.core.vllm_weights import iter_sync_weights
@@ -72,8 +74,6 @@ class VLLMServerRollout:
     injectable for tests."""
 
     def __init__(self, accelerator, cfg, *, model_config, client=None):
-        from utils.core.vllm_client import VLLMClient, server_base_url
-
         self.accelerator, self.cfg = accelerator, cfg
         mode = flag(cfg, "vllm_importance_sampling_mode")
         importance_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), mode=mode,
@@ -152,8 +152,6 @@ def make_vllm_rollout(model_path, accelerator, cfg, *, processor=None, model_con
     """The rollout engine of --use_vllm: a colocated engine per process, or the server of --vllm_mode server."""
     if flag(cfg, "vllm_mode") == "server":
         if kwargs.get("max_videos_per_prompt"):
-            from utils.core.config import ConfigError
-
             raise ConfigError("--vllm_mode server: the data set has videos, and the server protocol (TRL's) sends "
                               "images only; use colocated engines (--vllm_mode colocate)")
         return VLLMServerRollout(accelerator, cfg, model_config=model_config)

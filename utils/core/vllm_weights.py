@@ -7,6 +7,7 @@ import json
 import math
 
 from utils.core.logprobs import hf_core
+from utils.core.models import PROJECTOR_MODULE_NAMES, VISION_MODULE_NAMES
 
 
 def _lora_layers(core):
@@ -75,8 +76,6 @@ def adapter_layers(model):
     """{name: LoRA layer} that a vLLM adapter can carry: plain LoRA linear layers of the language model. Layers in
     the vision tower or its projector (vLLM applies LoRA to the language model) and embedding LoRA are merged."""
     from peft.tuners.lora import Linear
-
-    from utils.core.models import PROJECTOR_MODULE_NAMES, VISION_MODULE_NAMES
 
     outside = set(VISION_MODULE_NAMES) | set(PROJECTOR_MODULE_NAMES)
     out = {}

@@ -12,6 +12,8 @@ parameter no gradient; zeroing the buffer first does the same under ZeRO-3."""
 
 import contextlib
 
+from utils.core.fsdp import fsdp2_unsharded
+
 
 def is_zero3(accelerator, model):
     """True when `model` (the prepared model) is a DeepSpeed engine sharded with ZeRO stage 3."""
@@ -47,8 +49,6 @@ def unwrap_for_generation(model, accelerator):
         with zero3_gathered(model) as module:
             yield module
     else:
-        from utils.core.fsdp import fsdp2_unsharded
-
         with fsdp2_unsharded(accelerator.unwrap_model(model)) as module:
             yield module
 
