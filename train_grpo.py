@@ -11,13 +11,15 @@ an optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from accelerate.utils import gather_object
+from safetensors.torch import load_file, save_file
 from transformers import TrainerState
 
 from kernels import group_advantages
@@ -49,10 +51,12 @@ from utils.core.losses import (
     high_entropy_mask,
 )
 from utils.core.models import disable_dropout, load_model_and_processor, prepare_for_training
+from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_steps
 from utils.core.packing import resolve_padding_free
 from utils.core.pcgrad import PCGradAccumulator
 from utils.core.prompts import PROMPT_TEMPLATES
 from utils.core.records import Record
+from utils.core.ref_sync import ReferenceSync
 from utils.core.reward_calls import RewardLog, as_conversation, call_rewards, check_reward_call
 from utils.core.rollout import (
     check_no_logits_shaping,
@@ -77,6 +81,7 @@ from utils.core.seeds import completion_seeds
 from utils.core.tool_formats import tool_format
 from utils.core.tool_rollout import ToolRollout, context_limit, log_turns, tool_metrics
 from utils.core.tools import ToolBox, pixel_budget
+from utils.core.trl_flags import TRL_ONLY_FLAGS
 from utils.core.video import budget_from_config, check_config_video_flags, row_clips, video_flag
 from utils.core.vllm_flags import VLLM_MODES, check_vllm_flags
 from utils.core.vllm_rollout import require_vllm
@@ -88,7 +93,8 @@ SCALES = ("group", "batch", "none")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(OptimizerFlags):
+    TRL_FLAGS: ClassVar[dict] = TRL_ONLY_FLAGS  # TRL's GRPOConfig flags read without fields of ours (trl_flags.py)
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
@@ -148,7 +154,14 @@ class GRPOConfig:
     # GRPO
     num_generations: int = 8  # completions sampled per prompt (the group size G)
     per_device_train_batch_size: int = 8  # completions per process per micro-batch; times processes: a multiple of G
-    gradient_accumulation_steps: int = 1  # micro-batches (each freshly generated) per optimizer step
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    steps_per_generation: Optional[int] = field(default=None, metadata={"help": (
+        "micro-batches generated at once, a multiple of --gradient_accumulation_steps: one generation feeds "
+        "steps_per_generation / gradient_accumulation_steps optimizer steps per --num_iterations pass (TRL's flag); "
+        "none: --gradient_accumulation_steps, or from --generation_batch_size")})
+    generation_batch_size: Optional[int] = field(default=None, metadata={"help": (
+        "completions generated at once over all processes (TRL's flag): per_device_train_batch_size x processes x "
+        "steps_per_generation; none: from --steps_per_generation")})
     max_prompt_length: Optional[int] = 512  # max prompt tokens, images included (longer: an error); none: no limit
     max_completion_length: int = 512  # max tokens generated per completion (also dr_grpo's normaliser); TRL's default
     temperature: float = 1.0  # sampling temperature; training log-probs use it too
@@ -162,6 +175,14 @@ class GRPOConfig:
     importance_sampling_level: str = choice(*IMPORTANCE_LEVELS)  # importance ratio per token, or per sequence (GSPO)
     scale_rewards: str = choice(*SCALES)  # advantages / std of the group, of the batch, or not scaled
     num_iterations: int = 1  # optimisation passes (mu) over each round of generations
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": (
+        "multiply the k3 KL by the importance ratio so its gradient is the unbiased reverse-KL gradient (TRL's flag "
+        "and default, DeepSeek-V3.2); moves the KL gradient even on-policy")})
+    sync_ref_model: bool = field(default=False, metadata={"help": (
+        "TR-DPO: every --ref_model_sync_steps steps the reference becomes alpha x policy + (1 - alpha) x itself "
+        "(TRL's flag; with LoRA the base gets reference adapters of its own, docs/grpo.md)")})
+    ref_model_mixup_alpha: float = 0.6  # alpha of --sync_ref_model (TRL's default)
+    ref_model_sync_steps: int = 512  # optimizer steps between reference syncs (TRL's default)
     mask_truncated_completions: bool = False  # completions cut at --max_completion_length stay out of the loss (DAPO)
     entropy_coef: float = field(default=0.0, metadata={"help": (
         "entropy bonus: the loss minus coef * the mean per-token policy entropy (TRL's flag); 0: off")})
@@ -174,9 +195,9 @@ class GRPOConfig:
         "help": "DAPO: drop groups whose rewards do not vary and refill the step with groups of new prompts"})
     max_resample_rounds: int = 4  # extra generation rounds a step may run to refill it under --dynamic_sampling
     use_vllm: bool = False  # generate rollouts with vLLM (CUDA only): colocated engines, or a server (--vllm_mode)
-    cache_implementation: str = choice(*CACHE_IMPLEMENTATIONS, help=(
-        "HF rollout's KV cache (TRL's flag): dynamic is generate's eager decoding, static also compiles the decode "
-        "step (CUDA graphs on a GPU), auto is static on CUDA where it can run and dynamic elsewhere"))
+    cache_implementation: Optional[str] = choice(*CACHE_IMPLEMENTATIONS, help=(
+        "HF rollout's KV cache (TRL's flag): dynamic is the eager decoding loop, static also compiles the decode "
+        "step (CUDA graphs on a GPU), auto is static on CUDA where it can run and dynamic elsewhere; none: dynamic"))
     use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
     allow_double_accuracy: bool = field(default=False,
                                         metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
@@ -288,8 +309,7 @@ def validate(cfg, num_processes, distributed_type="NO"):
         raise ConfigError(f"--beta {cfg.beta} must be >= 0")
     if not cfg.max_grad_norm >= 0:
         raise ConfigError("--max_grad_norm must be >= 0 (0: no clipping)")
-    if not 0 <= cfg.warmup_ratio < 1:
-        raise ConfigError(f"--warmup_ratio {cfg.warmup_ratio} must be in [0, 1)")
+    check_optimizer_flags(cfg)
     if not (cfg.max_steps > 0 or cfg.num_train_epochs > 0):
         raise ConfigError("--max_steps <= 0 needs --num_train_epochs > 0")
     if cfg.use_peft and not (cfg.lora_r >= 1 and 0 <= cfg.lora_dropout < 1):
@@ -331,9 +351,19 @@ def validate(cfg, num_processes, distributed_type="NO"):
         raise ConfigError("--push_to_hub needs --hub_model_id")
     if cfg.save_steps < 1 or cfg.logging_steps < 1:
         raise ConfigError("--save_steps and --logging_steps must be >= 1")
-    if cfg.num_iterations != 1 and cfg.save_steps % cfg.num_iterations:
-        raise ConfigError(f"--save_steps {cfg.save_steps} must be a multiple of --num_iterations {cfg.num_iterations} "
-                          "(checkpoints are taken between generation rounds)")
+    steps_per_round = cfg.num_iterations * generation_steps(cfg, num_processes) // cfg.gradient_accumulation_steps
+    if cfg.tools and cfg.save_steps % steps_per_round:
+        raise ConfigError(f"--save_steps {cfg.save_steps} must be a multiple of the {steps_per_round} optimizer "
+                          "steps each generation feeds (num_iterations x steps_per_generation / "
+                          "gradient_accumulation_steps) with --tools: tool trajectories are not checkpointed, so "
+                          "checkpoints fall between generations")
+    if cfg.sync_ref_model and cfg.beta == 0.0:
+        raise ConfigError("--sync_ref_model with --beta 0: there is no reference to sync (TRL refuses it too); set a "
+                          "--beta > 0 or drop the flag")
+    if not 0.0 <= cfg.ref_model_mixup_alpha <= 1.0:
+        raise ConfigError(f"--ref_model_mixup_alpha {cfg.ref_model_mixup_alpha} must be in [0, 1]")
+    if cfg.ref_model_sync_steps < 1:
+        raise ConfigError(f"--ref_model_sync_steps {cfg.ref_model_sync_steps} must be >= 1")
     if cfg.num_completions_to_print is not None and cfg.num_completions_to_print < 0:
         raise ConfigError("--num_completions_to_print must be >= 0 or none")
     if cfg.eval_samples is not None and cfg.eval_samples < 1:
@@ -354,7 +384,7 @@ def validate(cfg, num_processes, distributed_type="NO"):
                           f"{', '.join(IS_MODES)}")
     if not cfg.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap} must be > 0")
-    if cfg.cache_implementation not in CACHE_IMPLEMENTATIONS:
+    if cfg.cache_implementation not in (None, *CACHE_IMPLEMENTATIONS):
         raise ConfigError(f"--cache_implementation {cfg.cache_implementation!r} is not one of "
                           f"{', '.join(CACHE_IMPLEMENTATIONS)}")
     if cfg.use_vllm and cfg.cache_implementation == "static":
@@ -363,6 +393,35 @@ def validate(cfg, num_processes, distributed_type="NO"):
     if check_vllm_flags(cfg, num_processes):
         require_vllm()
     validate_tools(cfg)
+
+
+def generation_steps(cfg, num_processes):
+    """Micro-batches generated at once (TRL's steps_per_generation), from --steps_per_generation or
+    --generation_batch_size (completions over all processes); --gradient_accumulation_steps when neither is given.
+    One generation feeds steps / gradient_accumulation_steps optimizer steps per --num_iterations pass, so it is a
+    multiple of --gradient_accumulation_steps (TRL lets an optimizer step span two generations; here a generation
+    ends with one). Fewer micro-batches than an optimizer step's, generated more often under one policy, sample what
+    one generation of the whole step samples: with --num_iterations 1 that is read as the step's."""
+    B, GA, mu = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.num_iterations
+    S, size, per_micro = cfg.steps_per_generation, cfg.generation_batch_size, B * num_processes
+    if size is not None:
+        if size < 1 or size % per_micro:
+            raise ConfigError(f"--generation_batch_size {size} is not a multiple of --per_device_train_batch_size {B} "
+                              f"x {num_processes} processes = {per_micro}")
+        if S is not None and S != size // per_micro:
+            raise ConfigError(f"--generation_batch_size {size} and --steps_per_generation {S} disagree ({size} "
+                              f"completions are {size // per_micro} micro-batches of {per_micro}); give one of them")
+        S = size // per_micro
+    S = GA if S is None else S
+    if S < 1:
+        raise ConfigError(f"--steps_per_generation {S} must be >= 1")
+    if S < GA and GA % S == 0 and mu == 1:
+        return GA
+    if S % GA:
+        raise ConfigError(f"--steps_per_generation {S} is not a multiple of --gradient_accumulation_steps {GA}: a "
+                          f"generation must end with an optimizer step here"
+                          f"{' (with --num_iterations 1 a divisor of it also runs)' if GA % S == 0 else ''}")
+    return S
 
 
 def validate_tools(cfg):
@@ -398,20 +457,23 @@ def build_rewards(cfg, columns):
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a step's completions live: G per prompt, B per process in each of the step's GA micro-batches, so
-    that the `world` processes together hold B x world completions of a micro-batch, a whole number of groups
-    (`validate` checks it; a group may span processes). The one place G is read from the flags."""
+    """Where a step's completions live: G per prompt, B per process in each of the step's GA micro-batches (a round
+    generates S of them, S / GA steps' worth), so that the `world` processes together hold B x world completions of
+    a micro-batch, a whole number of groups (`validate` checks it; a group may span processes). The one place G is
+    read from the flags."""
 
     G: int  # completions per prompt (--num_generations)
     B: int  # completions per process per micro-batch (--per_device_train_batch_size)
     GA: int  # micro-batches per optimizer step (--gradient_accumulation_steps)
+    S: int  # micro-batches per generation round (--steps_per_generation): S / GA optimizer steps per pass
     rank: int
     world: int
 
     @classmethod
     def of(cls, cfg, accelerator):
         return cls(cfg.num_generations, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
-                   accelerator.process_index, accelerator.num_processes)
+                   generation_steps(cfg, accelerator.num_processes), accelerator.process_index,
+                   accelerator.num_processes)
 
     @property
     def prompts_per_micro(self):
@@ -567,15 +629,21 @@ def main(cfg: GRPOConfig):
                             model_type=model.config.model_type)
     padding_free = resolve_padding_free(cfg.padding_free, model, accelerator.print)
     policy = CompletionLogProbs(model, padding_free=padding_free)
-    rounds_per_epoch = math.ceil(len(dataset) / (layout.prompts_per_micro * layout.GA))
-    max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu
+    # a round generates S micro-batches; each --num_iterations pass over them is S / GA optimizer steps
+    steps_per_pass = layout.S // layout.GA
+    rounds_per_epoch = math.ceil(len(dataset) / (layout.prompts_per_micro * layout.S))
+    max_steps = (cfg.max_steps if cfg.max_steps > 0
+                 else math.ceil(cfg.num_train_epochs * rounds_per_epoch) * mu * steps_per_pass)
     policy, optimizer, scheduler = prepare_training(
         accelerator, cfg, policy, [p for p in policy.parameters() if p.requires_grad], max_steps=max_steps,
-        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=layout.B)
+        num_warmup_steps=num_warmup_steps(cfg, max_steps), micro_batch_size=layout.B)
     ref_policy = (prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=padding_free)
                   if cfg.beta != 0.0 else None)
     if ref_policy is not None and cfg.disable_dropout:
         disable_dropout(ref_policy)
+    # TR-DPO: the reference mixed toward the policy every --ref_model_sync_steps (utils/core/ref_sync.py)
+    ref_sync = (ReferenceSync(accelerator, policy, ref_policy, alpha=cfg.ref_model_mixup_alpha,
+                              sync_steps=cfg.ref_model_sync_steps) if cfg.sync_ref_model else None)
     # colocated engines fed the trainer's prompt ids and pixel budget, or a server (docs/distributed.md)
     max_videos = max((len(v) for v in dataset["videos"]), default=0) if "videos" in dataset.column_names else 0
     video_budget = budget_from_config(processor, cfg) if max_videos else None  # a model without video fails here
@@ -595,8 +663,12 @@ def main(cfg: GRPOConfig):
                   suppress_ids=suppress_ids, vllm=vllm, compiled=compiled, tools=tools)
 
     # ---- resume, then the (curriculum) sampler: difficulty levels are estimated once and checkpointed ----
-    state, _ = resume_run(accelerator, cfg)
+    state, resume_path = resume_run(accelerator, cfg)
     global_step, round_index = state.get("global_step", 0), state.get("round_index", 0)
+    if ref_sync is not None and resume_path:
+        ref_sync.load_state_tensors(read_tensors(resume_path, REFERENCE_FILE))
+    # a checkpoint taken inside a round holds the rest of it: resume there (`round_state`)
+    pending = restore_round(ro, resume_path, state["round"]) if state.get("round") else None
     stages, levels = {"all": list(range(len(dataset)))}, None
     if cfg.curriculum:
         levels = state.get("difficulty_levels") or difficulty_levels(ro)
@@ -620,43 +692,59 @@ def main(cfg: GRPOConfig):
         round_start = time.perf_counter()
         timings = dict.fromkeys(("generation", "rewards", "logprob", "backward"), 0.0)
         reward_log = RewardLog()
-        # ---- 1-2. sample and score the round: GA micro-batches of B completions per process ----
-        batches, sampling = sample_round(ro, sampler, step=global_step, round_index=round_index,
-                                         trainer_state=TrainerState(global_step=global_step, max_steps=max_steps),
-                                         reward_log=reward_log, timings=timings)
-        if vllm is not None:
-            vllm.sleep()  # the engine's memory goes back to training (a no-op without --vllm_enable_sleep_mode)
-        # ---- 3. advantages over whole groups (the gathered rewards), this process's slice ----
-        with timed(timings, "rewards"):
-            for mb in batches:
-                add_advantages(ro, mb)
-        # ---- 4. log-probs that stay fixed for this round: behaviour policy (mu > 1) and reference ----
-        with timed(timings, "logprob"):
-            for mb in batches:
-                add_fixed_logprobs(mb, policy, ref_policy, cfg)
-        # DAPO normalises by the completion tokens of the whole optimizer step, on all processes.
-        step_tokens = accelerator.reduce(torch.stack([b.loss_mask.sum() for b in batches]).sum().float(), "sum")
+        if pending is not None:  # the rest of the round a checkpoint was taken in
+            batches, sampling, start = pending["batches"], pending["sampling"], pending["position"]
+            reward_log.metrics, pending = pending["reward_metrics"], None
+        else:
+            # ---- 1-2. sample and score the round: S micro-batches of B completions per process ----
+            batches, sampling = sample_round(ro, sampler, step=global_step, round_index=round_index,
+                                             trainer_state=TrainerState(global_step=global_step, max_steps=max_steps),
+                                             reward_log=reward_log, timings=timings)
+            if vllm is not None:
+                vllm.sleep()  # the engine's memory goes back to training (a no-op without --vllm_enable_sleep_mode)
+            # ---- 3. advantages over whole groups (the gathered rewards), this process's slice ----
+            with timed(timings, "rewards"):
+                for mb in batches:
+                    add_advantages(ro, mb)
+            # ---- 4. log-probs that stay fixed for this round: behaviour policy (when it moves) and reference ----
+            with timed(timings, "logprob"):
+                for mb in batches:
+                    add_fixed_logprobs(mb, policy, ref_policy, cfg, behaviour=mu * steps_per_pass > 1)
+            start = 0
 
-        # ---- 5. mu optimisation passes over this round's completions, one optimizer step each ----
+        # ---- 5. mu passes over this round's completions, each S / GA optimizer steps of GA micro-batches ----
         policy.train()
-        for _ in range(mu):
-            result = optimisation_pass(ro, batches, optimizer=optimizer, pcgrad=pcgrad, step_tokens=step_tokens,
+        for position in range(start, mu * steps_per_pass):
+            chunk = batches[(position % steps_per_pass) * layout.GA:][:layout.GA]
+            # DAPO normalises by the completion tokens of the whole optimizer step, on all processes.
+            step_tokens = accelerator.reduce(torch.stack([b.loss_mask.sum() for b in chunk]).sum().float(), "sum")
+            result = optimisation_pass(ro, chunk, optimizer=optimizer, pcgrad=pcgrad, step_tokens=step_tokens,
                                        loss_divisor=loss_divisor, step=global_step, timings=timings)
             scheduler.step()
             global_step += 1
+            if ref_sync is not None:
+                ref_sync.after_step(global_step)
             if vllm is not None:  # server mode: the new weights go to the server now (colocate: before the next round)
                 vllm.sync_after_step(policy, global_step)
             # ---- 6. log, checkpoint (atomic) and push ----
             if is_due(global_step, cfg.logging_steps, max_steps):
-                log_step(ro, logger, global_step, batches, result, sampling=sampling, reward_log=reward_log,
+                log_step(ro, logger, global_step, chunk, result, sampling=sampling, reward_log=reward_log,
                          learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
                          timings=timings)
             if is_due(global_step, cfg.save_steps, max_steps):
-                state = dict(global_step=global_step, round_index=round_index + 1, sampler=sampler.state_dict(),
-                             stage=sampler.names[sampler.stage(global_step - 1)], difficulty_levels=levels,
-                             heldout_before=heldout_before)
+                inside = position + 1 < mu * steps_per_pass  # the round goes on after this step
+                state = dict(global_step=global_step, round_index=round_index + (not inside),
+                             sampler=sampler.state_dict(), stage=sampler.names[sampler.stage(global_step - 1)],
+                             difficulty_levels=levels, heldout_before=heldout_before)
+                saves = {}
+                if inside:  # every process joins the gathers; the main process writes
+                    state["round"], tensors = round_state(ro, batches, position + 1, reward_log, sampling)
+                    saves[ROUND_FILE] = tensors
+                if ref_sync is not None:
+                    saves[REFERENCE_FILE] = ref_sync.state_tensors()
                 save_and_push(accelerator, cfg, global_step, model=policy, processor=processor, state=state,
-                              logger=logger, uploader=uploader, base_model=model_path, script="train_grpo.py")
+                              logger=logger, uploader=uploader, base_model=model_path, script="train_grpo.py",
+                              extra_saves={name: tensor_saver(name, t) for name, t in saves.items()})
             if global_step >= max_steps:
                 break
         round_index += 1
@@ -682,9 +770,9 @@ def main(cfg: GRPOConfig):
 
 
 def sample_round(ro, sampler, *, step, round_index, trainer_state, reward_log, timings):
-    """Phases 1-2: the round's GA micro-batches, sampled and scored. Under --dynamic_sampling (DAPO) only groups
-    whose rewards vary are kept, the step refilled with groups of new prompts first. Returns (the micro-batches,
-    the dynamic-sampling metrics)."""
+    """Phases 1-2: the round's S micro-batches (--steps_per_generation), sampled and scored. Under --dynamic_sampling
+    (DAPO) only groups whose rewards vary are kept, the round refilled with groups of new prompts first. Returns (the
+    micro-batches, the dynamic-sampling metrics)."""
     cfg, L = ro.cfg, ro.layout
 
     def draw(num_prompts, micro):  # the next prompts of the sampler's stream, as micro-batch `micro`
@@ -694,15 +782,15 @@ def sample_round(ro, sampler, *, step, round_index, trainer_state, reward_log, t
         return mb
 
     ro.policy.eval()
-    generated = [draw(L.prompts_per_micro, micro) for micro in range(L.GA)]
+    generated = [draw(L.prompts_per_micro, micro) for micro in range(L.S)]
     if not cfg.dynamic_sampling:
         return generated, {}
-    groups, extra_rounds = dynamic_sampling(generated, draw, L.GA * L.prompts_per_micro, L.prompts_per_micro, L.G,
+    groups, extra_rounds = dynamic_sampling(generated, draw, L.S * L.prompts_per_micro, L.prompts_per_micro, L.G,
                                             L.world, ro.reward_weights, cfg.use_pcgrad, cfg.max_resample_rounds)
     with timed(timings, "generation"):
-        chosen = choose_groups(groups, L.GA * L.prompts_per_micro)
+        chosen = choose_groups(groups, L.S * L.prompts_per_micro)
         batches = [rebuild_micro_batch(ro, chosen[m * L.prompts_per_micro:(m + 1) * L.prompts_per_micro])
-                   for m in range(L.GA)]
+                   for m in range(L.S)]
     return batches, {"frac_zero_std_groups": 1.0 - sum(g["spread"] for g in groups) / len(groups),
                      "resample_rounds": extra_rounds, "generated_groups": len(groups)}
 
@@ -761,11 +849,13 @@ def add_advantages(ro, mb):
 
 
 @torch.no_grad()
-def add_fixed_logprobs(mb, policy, ref_policy, cfg):
-    """Phase 4: the log-probs that stay fixed while the round trains: the behaviour policy's (only when
-    --num_iterations > 1; on the first pass they equal the policy's own, detached) and the reference's (--beta)."""
+def add_fixed_logprobs(mb, policy, ref_policy, cfg, *, behaviour):
+    """Phase 4: the log-probs that stay fixed while the round trains: the behaviour policy's (only when the round
+    feeds more than one optimizer step, --num_iterations > 1 or --steps_per_generation above the step's micro-batches:
+    the policy moves before the later steps, and the importance ratio against these handles it; with one step they
+    equal the policy's own, detached) and the reference's (--beta)."""
     args = (mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature)
-    mb.old_logps = policy(*args, **mb.policy_inputs()) if cfg.num_iterations > 1 else None
+    mb.old_logps = policy(*args, **mb.policy_inputs()) if behaviour else None
     mb.ref_logps = ref_policy(*args, **mb.policy_inputs()) if ref_policy else None
 
 
@@ -800,7 +890,7 @@ def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divis
                            max_completion_length=cfg.max_completion_length, num_items_in_batch=step_tokens,
                            num_processes=ro.layout.world, is_weights=is_weights, entropy=entropy,
                            entropy_coef=cfg.entropy_coef, entropy_threshold=cfg.entropy_threshold,
-                           gradient_accumulation_steps=GA)
+                           gradient_accumulation_steps=GA, kl_bias_correction=cfg.use_bias_correction_kl)
             if cfg.top_entropy_quantile < 1.0:  # quantile over the micro-batch of every process (TRL)
                 loss_kw["entropy_mask"] = high_entropy_mask(entropy, mb.loss_mask, cfg.top_entropy_quantile,
                                                             gather=gather_padded(accelerator))
@@ -1042,6 +1132,71 @@ def rebuild_micro_batch(ro, groups):
                       completion_mask=completion_mask.to(accelerator.device), texts=texts, token_ids=token_ids,
                       completions=as_conversation(texts), sampler_logps=sampler_logps,
                       rewards=torch.cat([g["rewards"] for g in groups]))
+
+
+# Checkpoint subfolders of train_grpo's own state: the rest of a round (`round_state`), the synced reference.
+ROUND_FILE, REFERENCE_FILE = "round", "reference_sync"
+
+
+def round_state(ro, batches, position, reward_log, sampling):
+    """What a checkpoint taken inside a round keeps so that the round's remaining optimizer steps run as they would
+    have: every process's completions of each micro-batch (token ids, vLLM's log-probs), the rewards, the behaviour
+    and reference log-probs (computed before the policy moved; gathered, padded), the reward functions' logged
+    metrics and columns, the dynamic-sampling metrics and the next step's `position` in the round. Returns (the JSON
+    part for trainer_state.json, the tensors for the checkpoint). Every process calls it (gathers)."""
+    accelerator, meta, tensors = ro.accelerator, [], {}
+    for k, mb in enumerate(batches):
+        token_ids = mb.all_token_ids or [t for part in gather_object([mb.token_ids]) for t in part]
+        sampler = mb.all_sampler_logps
+        if sampler is None and mb.sampler_logps is not None:
+            mine = [lp[m.bool()].tolist() for lp, m in zip(mb.sampler_logps, mb.completion_mask)]
+            sampler = [lp for part in gather_object([mine]) for lp in part]
+        meta.append(dict(prompt_rows=list(mb.prompt_rows), token_ids=token_ids, sampler_logps=sampler,
+                         extra=mb.extra))
+        tensors[f"{k}.rewards"] = mb.rewards.contiguous()
+        for name in ("old_logps", "ref_logps"):
+            value = getattr(mb, name)
+            if value is not None:
+                tensors[f"{k}.{name}"] = accelerator.gather(accelerator.pad_across_processes(value, dim=1)).cpu()
+    return dict(position=position, micro_batches=meta, reward_metrics=reward_log.metrics, sampling=sampling), tensors
+
+
+def restore_round(ro, path, saved):
+    """The round a checkpoint was taken in (`round_state`): its micro-batches rebuilt on this process from the saved
+    completions (`rebuild_micro_batch`), the advantages recomputed from the saved rewards, the saved log-probs."""
+    tensors, L, device = read_tensors(path, ROUND_FILE), ro.layout, ro.accelerator.device
+    batches = []
+    for k, entry in enumerate(saved["micro_batches"]):
+        rewards, ids = tensors[f"{k}.rewards"], entry["token_ids"]
+        groups = [dict(prompt=p, token_ids=ids[g * L.G:(g + 1) * L.G], rewards=rewards[g * L.G:(g + 1) * L.G],
+                       sampler_logps=None if entry["sampler_logps"] is None
+                       else entry["sampler_logps"][g * L.G:(g + 1) * L.G])
+                  for g, p in enumerate(entry["prompt_rows"])]
+        mb = rebuild_micro_batch(ro, groups)
+        mb.extra = entry["extra"]
+        add_advantages(ro, mb)
+        width = mb.completion_ids.shape[1]
+        for name in ("old_logps", "ref_logps"):
+            if f"{k}.{name}" in tensors:
+                setattr(mb, name, tensors[f"{k}.{name}"][L.local][:, :width].to(device))
+        batches.append(mb)
+    return dict(batches=batches, position=saved["position"], reward_metrics=saved["reward_metrics"],
+                sampling=saved["sampling"])
+
+
+def tensor_saver(name, tensors):
+    """A checkpoint's `extra_saves` entry writing `tensors` to <name>/tensors.safetensors (the main process's)."""
+    def save(folder):
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                  os.path.join(folder, "tensors.safetensors"))
+    return save
+
+
+def read_tensors(path, name):
+    """The tensors `tensor_saver` wrote in checkpoint `path` ({} when it wrote none)."""
+    file = os.path.join(path, name, "tensors.safetensors")
+    return load_file(file) if os.path.exists(file) else {}
 
 
 def reward_inputs(ro, mb):

@@ -33,6 +33,7 @@ from utils.core.launch import relaunch_multi_cpu_if_needed
 from utils.core.logprobs import prepare_reference_model
 from utils.core.losses import clipped_policy_loss
 from utils.core.models import has_adapters
+from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_steps
 from utils.core.records import Record
 from utils.core.reward_calls import build_image_reward, score_images
 from utils.core.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids
@@ -85,7 +86,7 @@ REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif", "picksco
 
 
 @dataclass
-class MixGRPOConfig:
+class MixGRPOConfig(OptimizerFlags):
     # models
     model_name_or_path: str = field(default=TINY, metadata={
         "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws "
@@ -198,10 +199,8 @@ class MixGRPOConfig:
     learning_rate: float = 5e-6  # AdamW peak learning rate (the VLM; the generator too unless the next is set)
     generator_learning_rate: Optional[float] = None  # peak learning rate of the generator's LoRA; none: the above
     lr_scheduler_type: str = "constant_with_warmup"  # transformers LR schedule
-    warmup_steps: int = 10  # linear warm-up steps
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.95  # AdamW beta2
-    adam_epsilon: float = 1e-8  # AdamW epsilon
+    warmup_steps: float = 10  # linear LR warmup: a count of steps, or under 1 a share of them (R3: 10)
+    adam_beta2: float = 0.95  # AdamW beta2 (R3's)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0: no clipping
     max_steps: int = 200  # optimizer steps
@@ -229,6 +228,7 @@ class MixGRPOConfig:
 
 def validate(cfg, num_processes):
     """Flag combinations that cannot work fail here, before anything is loaded."""
+    check_optimizer_flags(cfg)
     if cfg.group_size < 2:
         raise ConfigError("--group_size must be >= 2 (a group of one has zero advantage)")
     if cfg.policy_group_size < 1 or cfg.group_size % cfg.policy_group_size:
@@ -787,8 +787,7 @@ def main(cfg: MixGRPOConfig):
         groups.append({"params": gen_params + edit_params, "lr": cfg.generator_learning_rate or cfg.learning_rate})
     mix, optimizer, scheduler = prepare_training(
         accelerator, cfg, MixGRPOModel(policy, gen, edit_gen), groups, max_steps=cfg.max_steps,
-        num_warmup_steps=cfg.warmup_steps, micro_batch_size=K * (G // P), betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon)
+        num_warmup_steps=num_warmup_steps(cfg, cfg.max_steps), micro_batch_size=K * (G // P))
     # The text's reference: the VLM with its LoRA off (MixGRPOModel's reference), or a frozen copy of it.
     ref_policy = (prepare_reference_model(cfg, vlm_path, policy, accelerator)
                   if cfg.kl_weight_text and cfg.tune_text_cot and not cfg.use_peft else None)

@@ -28,6 +28,7 @@ from utils.core.errors import exit_on_bad_input
 from utils.core.launch import relaunch_multi_cpu_if_needed
 from utils.core.logprobs import CompletionLogProbs, hf_core
 from utils.core.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_steps
 from utils.core.packing import packed_sequence_hidden, resolve_padding_free
 from utils.core.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
 from utils.core.run import (
@@ -53,7 +54,7 @@ from utils.eval.heldout import evaluate_policy, load_eval_set
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(OptimizerFlags):
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
@@ -146,6 +147,7 @@ def validate(cfg):
     """Every flag combination that cannot work fails here, before a model is loaded (one line naming the flag)."""
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id")
+    check_optimizer_flags(cfg)
     if cfg.freeze_multi_modal_projector and not cfg.freeze_vision_tower:
         raise ConfigError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with "
                           "it)")
@@ -232,7 +234,7 @@ def main(cfg: SFTConfig):
     max_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     policy, optimizer, scheduler = prepare_training(
         accelerator, cfg, policy, [p for p in policy.parameters() if p.requires_grad], max_steps=max_steps,
-        num_warmup_steps=math.ceil(cfg.warmup_ratio * max_steps), micro_batch_size=B)
+        num_warmup_steps=num_warmup_steps(cfg, max_steps), micro_batch_size=B)
 
     # ---- resume ----
     state, _ = resume_run(accelerator, cfg)

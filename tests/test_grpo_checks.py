@@ -56,7 +56,6 @@ IMPOSSIBLE = [
     (dict(difficulty_thresholds=[0.7, 0.3]), 1, "NO", "--difficulty_thresholds"),
     (dict(push_to_hub=True), 1, "NO", "--push_to_hub needs --hub_model_id"),
     (dict(save_steps=0), 1, "NO", "--save_steps"),
-    (dict(num_iterations=2, save_steps=3), 1, "NO", "--save_steps 3 must be a multiple of --num_iterations 2"),
     (dict(num_completions_to_print=-1), 1, "NO", "--num_completions_to_print"),
     (dict(eval_samples=0), 1, "NO", "--eval_samples"),
     (dict(cpu_threads=0), 1, "NO", "--cpu_threads"),

@@ -119,3 +119,23 @@ def test_importance_weights_scale_the_surrogate_not_the_kl():
     seq, _ = clipped_policy_loss(logps.detach(), logps.detach(), ADV, MASK, loss_type="grpo",
                                  is_weights=torch.tensor([[2.0], [0.5]]))
     assert seq.item() == pytest.approx((2.0 * -1.0 + 0.5 * 0.5) / 2)
+
+
+def test_kl_bias_correction_moves_the_gradient_not_the_loss():
+    """TRL's use_bias_correction_kl: the k3 term times rho. On-policy rho is 1, so the loss is the same, and the
+    gradient of beta * k3 * rho with respect to logp is beta * (1 - exp(ref - logp) + k3), not beta * (1 - exp(..))."""
+    ref = torch.log(torch.tensor([[0.25, 0.4]]))
+    beta, adv, mask = 0.1, torch.zeros(1), torch.ones(1, 2)  # no surrogate gradient: only the KL's
+    grads, losses = [], []
+    for corrected in (False, True):
+        logps = torch.log(torch.tensor([[0.5, 0.2]])).requires_grad_()
+        loss, _ = clipped_policy_loss(logps, logps.detach(), adv, mask, beta=beta, ref_logps=ref, loss_type="dapo",
+                                      kl_bias_correction=corrected)
+        loss.backward()
+        grads.append(logps.grad.clone())
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1])
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    plain = beta * (1 - torch.exp(ref - logp)) / 2  # dapo: / tokens
+    torch.testing.assert_close(grads[0], plain)
+    torch.testing.assert_close(grads[1], plain + beta * k3_kl(logp, ref) / 2)

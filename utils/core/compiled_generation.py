@@ -49,6 +49,7 @@ def resolve_cache_implementation(flag, model, *, device, use_vllm=False, zero3=F
     run), 'dynamic' keeps HF generate's eager decoding, 'auto' is static on CUDA where it can run (a one-line notice
     says why not) and dynamic elsewhere (on a CPU it wins only at small batch, by less than its compile time costs a
     short run: docs/results). Returns True for the compiled rollout."""
+    flag = flag or "dynamic"  # none: the model's own cache, as TRL reads it
     if flag not in CACHE_IMPLEMENTATIONS:
         raise ConfigError(f"--cache_implementation {flag!r} is not one of {', '.join(CACHE_IMPLEMENTATIONS)}")
     if flag == "dynamic" or (flag == "auto" and (torch.device(device).type != "cuda" or use_vllm)):

@@ -3,6 +3,7 @@
 Each script declares its hyper-parameters in one dataclass at the top (cleanRL style, TRL names) and calls
 ``parse_config(Config)``. A recipe YAML (``--config recipe.yaml``) sets the same keys; flags on the command line
 override it. Field metadata may declare ``help`` and ``choices``; ``Literal[...]`` annotations act as choices too.
+A config's ``TRL_FLAGS`` table adds TRL's flags that have no field of their own (utils.core.trl_flags).
 
 Value syntax (command line):
   bool          ``--flag`` | ``--flag true`` | ``--flag false`` (also yes/no, 1/0, on/off)
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from utils.core.trl_flags import add_foreign_flags, comma_list, foreign_reference, take_foreign
 
 _NONE_WORDS = {"none", "null"}
 _TRUE_WORDS = {"true", "yes", "1", "on", "y", "t"}
@@ -89,15 +92,8 @@ def _field_spec(f: dataclasses.Field, tp) -> _FieldSpec:
     if tp not in (bool, int, float, str, dict, Path):
         raise TypeError(f"field {f.name!r}: unsupported type {tp!r} (use bool/int/float/str/Path/dict, a list or "
                         f"Optional of them, or Literal)")
-    return _FieldSpec(
-        name=f.name,
-        base=tp,
-        is_list=is_list,
-        is_tuple=is_tuple,
-        optional=optional,
-        choices=tuple(choices) if choices is not None else None,
-        help=f.metadata.get("help", ""),
-    )
+    return _FieldSpec(name=f.name, base=tp, is_list=is_list, is_tuple=is_tuple, optional=optional,
+                      choices=tuple(choices) if choices is not None else None, help=f.metadata.get("help", ""))
 
 
 def _specs(config_cls) -> dict[str, _FieldSpec]:
@@ -154,6 +150,7 @@ def _convert_scalar(spec: _FieldSpec, value: Any, where: str):
             return parsed
         if base is Path:
             return Path(value)
+        value = comma_list(value)  # a list as TRL writes one (report_to): "a,b", or "none" when empty
         if isinstance(value, (dict, list)):
             raise ValueError(f"expected a string, got {value!r}")
         return str(value)
@@ -236,6 +233,7 @@ def build_parser(config_cls, prog: str | None = None) -> argparse.ArgumentParser
                      argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe; command line flags override it")
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    add_foreign_flags(parser, config_cls)
     for name, spec in specs.items():
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         help_text = spec.help
@@ -264,6 +262,7 @@ def load_yaml_recipe(config_cls, path: str | Path) -> dict:
         raise ConfigError(f"{path}: a recipe must be a mapping of key: value, got {type(data).__name__}")
     specs = _specs(config_cls)
     values = {}
+    values.update(take_foreign(config_cls, specs, data, f"{path}: key", _convert, ConfigError))  # TRL's keys
     for key, value in data.items():
         if key not in specs:
             hint = difflib.get_close_matches(str(key), list(specs), n=1)
@@ -281,6 +280,7 @@ def parse_config(config_cls, argv: list[str] | None = None):
     specs = _specs(config_cls)
     values = load_yaml_recipe(config_cls, given.pop("config")) if given.get("config") else {}
     given.pop("config", None)
+    values.update(take_foreign(config_cls, specs, given, "argument", _convert, ConfigError))
     for name, raw in given.items():
         values[name] = _convert(specs[name], raw, f"argument --{name}")
     missing = [f.name for f in dataclasses.fields(config_cls) if f.init and f.name not in values
@@ -390,7 +390,8 @@ def flags_markdown(scripts: list[str]) -> str:
     parts = [FLAGS_HEADER]
     for entry in scripts:
         module, cls = entry.split(":")
-        parts.append(flag_reference(getattr(importlib.import_module(module), cls), f"`{module}.py`"))
+        config_cls = getattr(importlib.import_module(module), cls)
+        parts += [flag_reference(config_cls, f"`{module}.py`")] + foreign_reference(config_cls, f"`{module}.py`")
     return "\n".join(parts)
 
 

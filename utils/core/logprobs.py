@@ -1,6 +1,8 @@
 """Per-token log-probs of sampled completions under the policy and the reference model, through the fused
 LM-head kernel (the [tokens, vocab] logits never exist); a group's completions can share one prompt pass."""
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -185,15 +187,21 @@ def expand_prompts(prompts, prompt_index):
 
 
 class AdapterDisabledReference(nn.Module):
-    """The reference policy of a LoRA run: the same model with its adapters switched off (no copy)."""
+    """The reference policy of a LoRA run: the same model with its adapters switched off (no copy). Under
+    --sync_ref_model, `adapter_swap` (utils.core.ref_sync) puts the reference's own adapters in place instead, once
+    it has synced."""
 
     def __init__(self, policy, accelerator):
         super().__init__()
         self._policy = [policy]  # a list so the policy is not registered (and not saved) twice
         self._accelerator = accelerator
+        self.adapter_swap = None  # () -> context manager yielding whether the reference's adapters are in place
 
     def forward(self, *args, **kwargs):
         policy = self._policy[0]
+        with self.adapter_swap() if self.adapter_swap else contextlib.nullcontext(False) as swapped:
+            if swapped:
+                return policy(*args, **kwargs)
         with adapters_disabled(self._accelerator.unwrap_model(policy).model):  # requires_grad left as it is
             return policy(*args, **kwargs)
 

@@ -44,13 +44,16 @@ def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon_low=0.2, 
                         ref_logps=None, loss_type="grpo", importance_sampling_level="token",
                         max_completion_length=None, num_items_in_batch=None, num_processes=1, is_weights=None,
                         entropy=None, entropy_coef=0.0, entropy_mask=None, entropy_threshold=ENTROPY_THRESHOLD,
-                        gradient_accumulation_steps=1):
+                        gradient_accumulation_steps=1, kl_bias_correction=False):
     """GRPO surrogate on per-token log-probs [B, T] with advantages [B] and a completion mask [B, T].
 
     per-token loss = -w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * k3
     with rho = exp(logp - logp_old) per token, or per sequence (GSPO: exp of the mean log-ratio), and w the
     sampler-correction weights `is_weights` ([B, T] or [B, 1], no gradient; 1 when none): they scale the
     surrogate only, not the KL term (TRL's placement).
+    `kl_bias_correction` (TRL's use_bias_correction_kl, DeepSeek-V3.2): the k3 term is multiplied by rho (with its
+    gradient), which makes the KL gradient the unbiased reverse-KL gradient; on-policy rho is 1 in value, so the
+    loss is unchanged and only the gradient moves (by beta * k3 * grad logp).
     Entropy (TRL's semantics): `entropy_mask` ([B, T] bool, `high_entropy_mask`) keeps the surrogate on those
     tokens only (the KL term and the normaliser still span `mask`); `entropy_coef` subtracts coef * H, H the
     mean per-token `entropy` over the tokens the surrogate trains on, whatever the loss type. dapo's loss spans
@@ -89,6 +92,8 @@ def clipped_policy_loss(logps, old_logps, advantages, mask, *, epsilon_low=0.2, 
         if ref_logps is None:
             raise ValueError("beta != 0 needs reference log-probs")
         kl = k3_kl(logps, ref_logps)
+        if kl_bias_correction:
+            kl = kl * ratio
         per_token = per_token + beta * kl
     per_token = per_token.expand_as(logps)
 

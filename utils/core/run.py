@@ -19,7 +19,6 @@ What differs between the scripts (the loop, the checkpoint contents, the evaluat
 import os
 import time
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import get_scheduler
@@ -29,6 +28,7 @@ from utils.core.config import ConfigError, config_to_dict, save_config
 from utils.core.fsdp import fsdp_layer_classes, init_adamw_state
 from utils.core.hub import HubUploader
 from utils.core.launch import accelerator_device_kwargs, set_cpu_threads
+from utils.core.optim import build_optimizer
 from utils.core.precision import check_update_precision, deepspeed_master_weights
 from utils.core.tracking import METRICS_FILE, RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 
@@ -56,7 +56,8 @@ def seed_run(cfg):
 
 def prepare_training(accelerator, cfg, model, params, *, max_steps, num_warmup_steps, micro_batch_size,
                      **adamw_kwargs):
-    """AdamW over `params` (tensors or parameter groups) at --learning_rate and --weight_decay, the
+    """AdamW over `params` (tensors or parameter groups) by --optim at --learning_rate, --adam_beta1/2, --adam_epsilon
+    and --weight_decay (utils.core.optim.build_optimizer; `adamw_kwargs` override them), the
     --lr_scheduler_type schedule over `max_steps`, then `model` and the optimizer prepared; the scheduler is
     checkpointed with them. Returns (model, optimizer, scheduler).
 
@@ -64,7 +65,7 @@ def prepare_training(accelerator, cfg, model, params, *, max_steps, num_warmup_s
     step (they would never move; utils/core/precision.py). The scheduler is stepped by hand once per optimizer step (it
     is not prepared), so the schedule does not depend on the number of processes. No DataLoader is prepared, so
     DeepSpeed learns the micro-batch (`micro_batch_size` per process) and --max_grad_norm from here."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **adamw_kwargs)
+    optimizer = build_optimizer(params, cfg, **adamw_kwargs)
     check_update_precision(optimizer, master_weights=deepspeed_master_weights(accelerator))
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=num_warmup_steps,
                               num_training_steps=max_steps)
