@@ -36,6 +36,7 @@ from utils.core.conversations import (
     set_chat_template,
 )
 from utils.core.curriculum import LEVELS, combine_with_rating, levels_from_scores, stage_indices
+from utils.core.data_sources import HubDatasetFlags, dataset_flags_error, train_rows, train_split
 from utils.core.encoding import encode_prompts
 from utils.core.errors import exit_on_bad_input
 from utils.core.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
@@ -93,7 +94,7 @@ SCALES = ("group", "batch", "none")
 
 
 @dataclass
-class GRPOConfig(OptimizerFlags):
+class GRPOConfig(HubDatasetFlags, OptimizerFlags):
     TRL_FLAGS: ClassVar[dict] = TRL_ONLY_FLAGS  # TRL's GRPOConfig flags read without fields of ours (trl_flags.py)
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
@@ -125,7 +126,7 @@ class GRPOConfig(OptimizerFlags):
     # data
     dataset_name: str = field(default=TINY_DATASET, metadata={
         "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
-    dataset_split: str = "train"  # split of --dataset_name to train on
+    dataset_split: Optional[str] = None  # alias of --dataset_train_split (TRL's name); none: that flag
     image_column: Optional[str] = field(default="image", metadata={"help": "'none' for text-only data"})
     video_column: str = "video"  # column with each row's video(s), when present (docs/data.md)
     question_column: str = "question"  # column with the question text
@@ -310,6 +311,8 @@ def validate(cfg, num_processes, distributed_type="NO"):
     if not cfg.max_grad_norm >= 0:
         raise ConfigError("--max_grad_norm must be >= 0 (0: no clipping)")
     check_optimizer_flags(cfg)
+    if dataset_flags_error(cfg):
+        raise ConfigError(dataset_flags_error(cfg))
     if not (cfg.max_steps > 0 or cfg.num_train_epochs > 0):
         raise ConfigError("--max_steps <= 0 needs --num_train_epochs > 0")
     if cfg.use_peft and not (cfg.lora_r >= 1 and 0 <= cfg.lora_dropout < 1):
@@ -592,7 +595,11 @@ def main(cfg: GRPOConfig):
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
     needs_steps = any(name in ("cpr", "reasoning", "spr") for name in cfg.reward_funcs)
     # TRL's prompt column when the data set has one, else the question/image columns (utils/core/conversations.py)
-    dataset = load_prompt_set(dataset_path, split=cfg.dataset_split, prompt_column=cfg.prompt_column,
+    # --dataset_streaming reads the prompts the run draws: its rounds x S micro-batches (x refills under DAPO)
+    rounds = -(-max(cfg.max_steps, 1) // (mu * layout.S // layout.GA))
+    streamed = rounds * layout.S * layout.prompts_per_micro * (1 + cfg.max_resample_rounds * cfg.dynamic_sampling)
+    dataset = load_prompt_set(train_rows(cfg, dataset_path, rows=streamed), split=train_split(cfg),
+                              prompt_column=cfg.prompt_column,
                               image_column=cfg.image_column, video_column=cfg.video_column,
                               question_column=cfg.question_column, answer_column=cfg.answer_column,
                               steps_column=cfg.steps_column, choices_column=cfg.choices_column,

@@ -24,6 +24,7 @@ from utils.core.checkpoint import save_checkpoint
 from utils.core.config import ConfigError, choice, config_to_dict, parse_config
 from utils.core.conversations import set_chat_template
 from utils.core.data import load_sharegpt, load_vqa
+from utils.core.data_sources import HubDatasetFlags, dataset_flags_error, train_rows, train_split
 from utils.core.errors import exit_on_bad_input
 from utils.core.launch import relaunch_multi_cpu_if_needed
 from utils.core.logprobs import CompletionLogProbs, hf_core
@@ -54,7 +55,7 @@ from utils.eval.heldout import evaluate_policy, load_eval_set
 
 
 @dataclass
-class SFTConfig(OptimizerFlags):
+class SFTConfig(HubDatasetFlags, OptimizerFlags):
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
@@ -87,7 +88,7 @@ class SFTConfig(OptimizerFlags):
     # data
     dataset_name: str = field(default=TINY_DATASET, metadata={
         "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
-    dataset_split: str = "train"  # split of --dataset_name to train on
+    dataset_split: Optional[str] = None  # alias of --dataset_train_split (TRL's name); none: that flag
     dataset_format: str = choice("crystal", "sharegpt",
                                  help="crystal: VQA rows with reference_steps; sharegpt: messages + images")
     response_template: str = choice(*RESPONSE_TEMPLATES,
@@ -148,6 +149,8 @@ def validate(cfg):
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id")
     check_optimizer_flags(cfg)
+    if dataset_flags_error(cfg):
+        raise ConfigError(dataset_flags_error(cfg))
     if cfg.freeze_multi_modal_projector and not cfg.freeze_vision_tower:
         raise ConfigError("--freeze_multi_modal_projector needs --freeze_vision_tower (the projector is frozen with "
                           "it)")
@@ -187,12 +190,16 @@ class AssistantNLL(CompletionLogProbs):
         return -logps.sum()
 
 
-def load_train_rows(cfg, path):
+def load_train_rows(cfg, path, num_processes=1):
+    """The training rows (--dataset_streaming: the rows the run reads, --max_steps x batch x accumulation x
+    processes)."""
+    path = train_rows(cfg, path, rows=cfg.max_steps * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                      * num_processes)
     if cfg.dataset_format == "sharegpt":
-        return load_sharegpt(path, split=cfg.dataset_split, messages_column=cfg.messages_column,
+        return load_sharegpt(path, split=train_split(cfg), messages_column=cfg.messages_column,
                              images_column=cfg.images_column, videos_column=cfg.videos_column,
                              tools_column=cfg.tools_column)
-    return load_vqa(path, split=cfg.dataset_split, image_column=cfg.image_column, question_column=cfg.question_column,
+    return load_vqa(path, split=train_split(cfg), image_column=cfg.image_column, question_column=cfg.question_column,
                     answer_column=cfg.answer_column, steps_column=cfg.steps_column, choices_column=cfg.choices_column,
                     video_column=cfg.video_column)
 
@@ -214,7 +221,7 @@ def main(cfg: SFTConfig):
 
     # ---- data (validated before any model is loaded) ----
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
-    dataset = load_train_rows(cfg, dataset_path)
+    dataset = load_train_rows(cfg, dataset_path, accelerator.num_processes)
     eval_set = load_eval_set(cfg, accelerator)
     eval_template = cfg.prompt_template or cfg.response_template
 

@@ -130,6 +130,96 @@ def open_source(name_or_path, split: str = "train") -> tuple[datasets.Dataset, S
     return table, Source(name, None)
 
 
+@dataclass
+class HubDatasetFlags:
+    """The data set flags of TRL's scripts that GRPO and SFT share (their --dataset_split is --dataset_train_split's
+    alias)."""
+
+    # data set on the hub (TRL's names)
+    dataset_config: str | None = field(default=None, metadata={"help": (
+        "configuration (subset) of --dataset_name: a hub data set's, or a local folder's laid out as a hub repo "
+        "(its README's configs); none: the default one")})
+    dataset_train_split: str = field(default="train", metadata={"help": (
+        "split of --dataset_name to train on (TRL's name; --dataset_split is its alias)")})
+    dataset_test_split: str | None = field(default=None, metadata={"help": (
+        "split of --dataset_name the held-out evaluation reads when --eval_dataset_name is not given (TRL's name); "
+        "none: no evaluation from it")})
+    dataset_streaming: bool = field(default=False, metadata={"help": (
+        "stream --dataset_name's split and read only the rows the run uses (--max_steps' worth), for hub data sets "
+        "too big to download")})
+
+
+def train_split(cfg) -> str:
+    """--dataset_train_split, or --dataset_split (its alias) where that is given."""
+    return cfg.dataset_split or cfg.dataset_train_split
+
+
+def dataset_flags_error(cfg) -> str | None:
+    """The one-line reason the data set flags cannot run together, or None."""
+    if cfg.dataset_split and cfg.dataset_train_split not in ("train", cfg.dataset_split):
+        return (f"--dataset_split {cfg.dataset_split} and --dataset_train_split {cfg.dataset_train_split} name "
+                "different splits (the first is the second's alias); give one")
+    if cfg.dataset_streaming and not cfg.max_steps > 0:
+        return "--dataset_streaming reads only the rows the run uses: it needs --max_steps > 0 (a stream has no epochs)"
+    if cfg.dataset_test_split and cfg.eval_dataset_name:
+        return ("--dataset_test_split names a split of --dataset_name for evaluation; --eval_dataset_name reads "
+                "--eval_split of its own: give one of them")
+    return None
+
+
+def train_rows(cfg, path, rows=None):
+    """What a script loads its training rows from: `path` as it is, or with --dataset_config / --dataset_streaming
+    the split read by `load_hub_split` (`rows`: how many a stream must yield)."""
+    if not (cfg.dataset_config or cfg.dataset_streaming):
+        return path
+    return load_hub_split(path, split=train_split(cfg), config=cfg.dataset_config, streaming=cfg.dataset_streaming,
+                          rows=rows)
+
+
+def eval_source(cfg, resolve=lambda name: name):
+    """(where the held-out rows come from, its split): --eval_dataset_name and --eval_split, or --dataset_name's
+    --dataset_test_split (with --dataset_config; a stream of --eval_samples rows under --dataset_streaming); (None,
+    None) without either."""
+    if cfg.eval_dataset_name:
+        return resolve(cfg.eval_dataset_name), cfg.eval_split
+    if not getattr(cfg, "dataset_test_split", None):
+        return None, None
+    name = resolve(cfg.dataset_name)
+    if not (cfg.dataset_config or cfg.dataset_streaming):
+        return name, cfg.dataset_test_split
+    rows = load_hub_split(name, split=cfg.dataset_test_split, config=cfg.dataset_config,
+                          streaming=cfg.dataset_streaming, rows=cfg.eval_samples or 1024)
+    return rows, cfg.dataset_test_split
+
+
+def load_hub_split(name_or_path, *, split: str = "train", config: str | None = None, streaming: bool = False,
+                   rows: int | None = None) -> datasets.Dataset:
+    """A split of a hub data set (or of a local folder laid out as a hub repo: data files, a README's `configs`) by
+    configuration name (--dataset_config), read whole or streamed (--dataset_streaming): a stream downloads only the
+    first `rows` rows of the split, in the data set's order, and holds them as a `datasets.Dataset` (the run's
+    seeded sampler shuffles them like any other rows; a resumed run streams the same rows again)."""
+    name = os.fspath(name_or_path)
+    path = os.path.expanduser(name)
+    if os.path.isdir(path) and _is_saved_dataset(path):
+        raise DataValidationError(f"{name}: a save_to_disk folder has no configurations and is not streamed; drop "
+                                  "--dataset_config and --dataset_streaming")
+    if streaming and not rows:
+        raise DataValidationError(f"{name}: a streamed split needs the number of rows to read (--max_steps > 0)")
+    target = path if os.path.exists(path) else name
+    try:
+        data = datasets.load_dataset(target, config, split=split, streaming=streaming)
+        if streaming:
+            data = datasets.Dataset.from_list(list(data.take(rows)), features=data.features)
+    except Exception as error:  # datasets raises several types for a missing config, split or file
+        raise DataValidationError(
+            f"{name}: could not read split '{split}'{f' of configuration {config!r}' if config else ''}"
+            f"{' as a stream' if streaming else ''} ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})"
+        ) from error
+    if streaming and len(data) < rows:
+        print(f"{name}: the stream of split '{split}' ended after {len(data)} rows (asked for {rows})")
+    return data
+
+
 def load_table(name_or_path, *, split: str = "train") -> datasets.Dataset:
     """A `datasets.Dataset` from a save_to_disk folder (Dataset or DatasetDict -> `split`), a
     .json/.jsonl/.parquet file, a folder of such files (files named after splits are picked by

@@ -13,6 +13,7 @@ import torch
 
 from utils.core import names
 from utils.core.conversations import prompt_images, prompt_messages, prompt_question
+from utils.core.data_sources import eval_source
 from utils.core.encoding import encode_prompts
 from utils.core.rollout import generate_completions, stop_token_ids
 from utils.core.seeds import completion_seeds
@@ -156,13 +157,14 @@ def heldout_accuracy(model, processor, dataset, *, prompt_template, batch_size=3
 
 
 def load_eval_set(cfg, accelerator):
-    """The held-out VQA set of a train script's `--eval_dataset_name` (None when not set), columns mapped
-    with the same flags as the training data."""
-    if not cfg.eval_dataset_name:
-        return None
+    """The held-out VQA set of a train script's `--eval_dataset_name`, or of --dataset_name's --dataset_test_split
+    (utils.core.data_sources.eval_source; None when neither is set), columns mapped with the same flags as the
+    training data."""
     with accelerator.main_process_first():
-        path = names.resolve_dataset(cfg.eval_dataset_name)
-    return load_graded_set(path, split=cfg.eval_split, prompt_column=getattr(cfg, "prompt_column", None),
+        path, split = eval_source(cfg, names.resolve_dataset)
+    if path is None:
+        return None
+    return load_graded_set(path, split=split, prompt_column=getattr(cfg, "prompt_column", None),
                            image_column=cfg.image_column, question_column=cfg.question_column,
                            answer_column=cfg.answer_column, steps_column=cfg.steps_column,
                            choices_column=cfg.choices_column, video_column=getattr(cfg, "video_column", "video"))
