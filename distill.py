@@ -38,7 +38,7 @@ from tiny.cache import REPO, TINY_DATASET, resolve_dataset, resolve_tiny_name
 from utils.core.config import ConfigError, choice, parse_config, save_config
 from utils.core.data import IMAGE_MARKER, images_of, load_vqa, render_question
 from utils.core.errors import exit_on_bad_input
-from utils.core.launch import set_cpu_threads
+from utils.core.launch import set_cpu_threads, watch_stage_parent
 from utils.core.models import load_model_and_processor
 from utils.core.prompts import CAPTION_PROMPT, REASONER_PROMPT, SYSTEM_PROMPTS
 from utils.core.serving import LocalServer, serving_problem
@@ -102,7 +102,11 @@ class DistillConfig:
     cpu_threads: Optional[int] = None  # torch threads without a GPU; none: all cores
     # requests
     api_key: Optional[str] = None  # API key of the endpoints; none: $OPENAI_API_KEY or EMPTY
-    request_timeout: float = 600.0  # seconds per request
+    request_timeout: float = 600.0  # seconds per request (wall clock, the reply included)
+    request_deadline: Optional[float] = None  # seconds for a request and all its retries; none: no bound beyond them
+    allow_insecure_api_key: bool = field(default=False, metadata={
+        "help": "send the API key over plain http to a host other than 127.0.0.1 (refused otherwise: it travels in "
+                "clear)"})
     max_retries: int = 3  # retries per request (connection errors, timeouts, 429, 5xx), with exponential backoff
     retry_backoff: float = 1.0  # seconds before the first retry (doubled each time)
     max_concurrency: int = 8  # questions in flight at once
@@ -122,8 +126,9 @@ def validate(cfg):
     for flag in ("batch_size", "max_concurrency", "caption_max_new_tokens", "max_new_tokens"):
         if getattr(cfg, flag) < 1:
             raise ConfigError(f"--{flag} must be >= 1, got {getattr(cfg, flag)}")
-    if cfg.max_retries < 0 or cfg.request_timeout <= 0:
-        raise ConfigError("--max_retries must be >= 0 and --request_timeout > 0")
+    if cfg.max_retries < 0 or cfg.request_timeout <= 0 or (cfg.request_deadline is not None
+                                                            and cfg.request_deadline <= 0):
+        raise ConfigError("--max_retries must be >= 0, --request_timeout and --request_deadline > 0")
     if cfg.chain_source == "reasoner":
         sources = [cfg.caption_column, cfg.captioner_base_url]
         if sum(s is not None for s in sources) > 1:
@@ -145,6 +150,15 @@ def validate(cfg):
         raise ConfigError("--model_base_url needs --served_model_name (the model name the server serves)")
     elif cfg.model_serve and not cfg.model:
         raise ConfigError("--model_serve serves --model: give --model (a local checkpoint), not --model_base_url")
+    from rewards.judge import check_key_transport
+
+    for flag in ("reasoner_base_url", "captioner_base_url", "model_base_url"):
+        if getattr(cfg, flag):  # before a model loads: an API key would travel in clear
+            try:
+                check_key_transport(getattr(cfg, flag), cfg.api_key or os.environ.get("OPENAI_API_KEY"),
+                                    cfg.allow_insecure_api_key)
+            except ValueError as error:
+                raise ConfigError(f"--{flag}: {error}") from None
     serve = ("--reasoner_serve" if cfg.chain_source == "reasoner" and cfg.reasoner_serve else
              "--model_serve" if cfg.chain_source == "model" and cfg.model_serve else None)
     if serve:
@@ -174,6 +188,26 @@ def append_record(handle, record):
     handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     handle.flush()
     os.fsync(handle.fileno())
+
+
+def image_stem(row_id):
+    """The file name (without `-j.ext`) of a row's written images: its id with anything but letters, digits, '.', '-'
+    and '_' made '_'."""
+    return re.sub(r"[^\w.-]", "_", str(row_id))
+
+
+def check_image_stems(dataset, ids):
+    """Two ids whose image files would share a name ("q 1" and "q_1") are refused, naming both rows: the second row
+    would silently get the first one's image."""
+    seen = {}
+    for row, row_id in enumerate(ids):
+        stem = image_stem(row_id)
+        if stem in seen:
+            first = seen[stem]
+            raise ConfigError(f"{dataset}: rows {first} and {row} have ids {ids[first]!r} and {row_id!r}, whose image "
+                              f"files would both be named {stem!r}-j: make the ids differ in letters, digits, '.', '-' "
+                              "or '_' (or set --id_column)")
+        seen[stem] = row
 
 
 def sft_row(cfg, row, image_paths, outcome, caption):
@@ -217,7 +251,7 @@ class Writer:
                 path = os.path.abspath(cell["path"])
             else:
                 ext = (PIL.Image.open(io.BytesIO(cell["bytes"])).format or "png").lower()
-                path = os.path.join(out_dir, "images", re.sub(r"[^\w.-]", "_", row_id) + f"-{j}.{ext}")
+                path = os.path.join(out_dir, "images", image_stem(row_id) + f"-{j}.{ext}")
                 if not os.path.exists(path):
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     with open(path + ".tmp", "wb") as f:
@@ -283,7 +317,8 @@ def summarise(cfg, kept, drops, failed, seconds):
 def client(cfg, base_url, model, *, temperature, max_tokens):
     return JudgeClient(base_url, model, api_key=cfg.api_key, timeout=cfg.request_timeout, max_retries=cfg.max_retries,
                        max_concurrency=cfg.max_concurrency, temperature=temperature, max_tokens=max_tokens,
-                       backoff=cfg.retry_backoff)
+                       backoff=cfg.retry_backoff, deadline=cfg.request_deadline,
+                       allow_insecure_api_key=cfg.allow_insecure_api_key)
 
 
 def load_local(name):
@@ -397,6 +432,7 @@ def main(cfg: DistillConfig):
     ids = dataset["id"]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"{cfg.dataset}: question ids are not unique (set --id_column)")
+    check_image_stems(cfg.dataset, ids)
     order = list(range(len(dataset)))
     if cfg.shuffle_seed is not None:
         random.Random(cfg.shuffle_seed).shuffle(order)
@@ -476,5 +512,6 @@ class Progress:
 
 
 if __name__ == "__main__":
+    watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     with exit_on_bad_input("distill.py"):  # bad input (data, model paths) ends in one line
         main(parse_config(DistillConfig, sys.argv[1:] or ["--config", TINY_DISTILL_RECIPE]))

@@ -34,7 +34,7 @@ from tiny.cache import TINY_DATASET, resolve_dataset
 from utils.core.config import choice, config_to_dict, parse_config
 from utils.core.conversations import prompt_question, set_chat_template
 from utils.core.errors import exit_on_bad_input
-from utils.core.launch import set_cpu_threads
+from utils.core.launch import set_cpu_threads, watch_stage_parent
 from utils.core.models import load_model_and_processor
 from utils.core.prompts import PROMPT_TEMPLATES
 from utils.core.rollout import stop_token_ids
@@ -68,7 +68,13 @@ class EvalConfig:
     base_url: Optional[str] = field(default=None,
                                     metadata={"help": "OpenAI-compatible server (e.g. vLLM) instead of --model"})
     served_model_name: Optional[str] = None  # model name the --base_url server serves
-    api_key: Optional[str] = None  # API key for --base_url; none: EMPTY
+    api_key: Optional[str] = None  # API key for --base_url; none: $OPENAI_API_KEY, else EMPTY
+    request_timeout: float = 300.0  # seconds a request to --base_url or the answer extractor may take, reply included
+    max_retries: int = 3  # retries of a request (connection errors, timeouts, 429, 5xx), with exponential backoff
+    request_deadline: Optional[float] = None  # seconds for a request and all its retries; none: no bound beyond them
+    allow_insecure_api_key: bool = field(default=False, metadata={
+        "help": "send --api_key over plain http to a host other than 127.0.0.1 (refused otherwise: it travels in "
+                "clear)"})
     dtype: str = choice("auto", "float32", "bfloat16", "float16")  # weights dtype when loading a checkpoint
     attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
     max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
@@ -136,7 +142,8 @@ class EvalConfig:
         "help": "models scored with the --select_best checkpoints, before them (step 0, e.g. the run's starting "
                 "model: it wins ties)"})
     # output
-    output_dir: Optional[str] = field(default=None, metadata={"help": "default: <model>/eval, or <select_best>/eval"})
+    output_dir: Optional[str] = field(default=None, metadata={
+        "help": "default: outputs/eval/<model> (never inside the model's folder), or <select_best>/eval"})
 
 
 def validate(cfg):
@@ -152,6 +159,15 @@ def validate(cfg):
             raise ValueError("--benchmark rows have no reference steps: drop 'crystal' from --metrics")
     if cfg.answer_extractor_base_url and not (cfg.benchmark and cfg.answer_extractor_model):
         raise ValueError("--answer_extractor_base_url needs --benchmark and --answer_extractor_model")
+    from rewards.judge import check_key_transport
+
+    for flag in ("base_url", "answer_extractor_base_url"):
+        if getattr(cfg, flag):  # before anything loads: an API key would travel in clear
+            try:
+                check_key_transport(getattr(cfg, flag), cfg.api_key or os.environ.get("OPENAI_API_KEY"),
+                                    cfg.allow_insecure_api_key)
+            except ValueError as error:
+                raise ValueError(f"--{flag}: {error}") from None
     unknown = [m for m in cfg.metrics if m not in METRICS]
     if unknown or not cfg.metrics:
         raise ValueError(f"--metrics {unknown or cfg.metrics}: choose from {', '.join(METRICS)}")
@@ -167,6 +183,9 @@ def validate(cfg):
         raise ValueError(f"--alpha must be in [0, 1], got {cfg.alpha}")
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
         raise ValueError("--batch_size and --max_new_tokens must be >= 1")
+    if cfg.request_timeout <= 0 or cfg.max_retries < 0 or (cfg.request_deadline is not None
+                                                            and cfg.request_deadline <= 0):
+        raise ValueError("--request_timeout and --request_deadline must be > 0, --max_retries >= 0")
     check_config_video_flags(cfg)
     if cfg.tools and cfg.base_url:
         raise ValueError("--tools runs the tool loop on a local --model; a --base_url server parses tool calls itself")
@@ -198,7 +217,9 @@ def generate(cfg, model_path, rows):
         return generate_answers_remote(cfg.base_url, cfg.served_model_name, rows, prompt_template=cfg.prompt_template,
                                        system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_new_tokens,
                                        temperature=cfg.temperature, seed=cfg.seed, api_key=cfg.api_key,
-                                       prompt_column=cfg.prompt_column)
+                                       prompt_column=cfg.prompt_column, timeout=cfg.request_timeout,
+                                       max_retries=cfg.max_retries, deadline=cfg.request_deadline,
+                                       allow_insecure_api_key=cfg.allow_insecure_api_key)
 
     model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
                                                 attn_implementation=cfg.attn_implementation,
@@ -290,7 +311,9 @@ def benchmark_judge(cfg):
     if not cfg.benchmark:
         return None
 
-    extractor = (LLMAnswerExtractor(cfg.answer_extractor_base_url, cfg.answer_extractor_model, api_key=cfg.api_key)
+    extractor = (LLMAnswerExtractor(cfg.answer_extractor_base_url, cfg.answer_extractor_model, api_key=cfg.api_key,
+                                    timeout=cfg.request_timeout, max_retries=cfg.max_retries,
+                                    deadline=cfg.request_deadline, allow_insecure_api_key=cfg.allow_insecure_api_key)
                  if cfg.answer_extractor_base_url else None)
     return lambda row, response: benchmark_correct(row, response, extractor)
 
@@ -375,14 +398,23 @@ def print_table(metrics):
     Console().print(table)
 
 
+def default_output_dir(cfg):
+    """outputs/eval/<name>: the model folder's last two path parts (`grpo-checkpoint-400`), a hub name
+    (`Qwen--Qwen2.5-VL-3B-Instruct`) or the served model's name. Never inside the model's own folder: a checkpoint
+    folder is what a later push uploads and may be a shared, read-only cache."""
+    name = cfg.served_model_name if cfg.base_url else cfg.model
+    parts = [p for p in os.path.normpath(name).split(os.sep) if p not in ("", ".", "..")]
+    joiner = "--" if not os.path.exists(name) and len(parts) == 2 else "-"  # a hub name: org--model, as the HF cache
+    return os.path.join("outputs", "eval", re.sub(r"[^\w.-]", "_", joiner.join(parts[-2:])))
+
+
 def main(cfg: EvalConfig):
     validate(cfg)
     set_cpu_threads(cfg.cpu_threads)
     rows = load_rows(cfg)
     if cfg.select_best:
         return select_best(cfg, rows)
-    output_dir = cfg.output_dir or (os.path.join(cfg.model, "eval") if cfg.model and os.path.isdir(cfg.model)
-                                    else os.path.join("outputs", "eval"))
+    output_dir = cfg.output_dir or default_output_dir(cfg)
     start = time.perf_counter()
     texts = generate(cfg, cfg.model, rows)
     metrics = score(cfg, rows, texts, output_dir)
@@ -395,5 +427,6 @@ def main(cfg: EvalConfig):
 
 
 if __name__ == "__main__":
+    watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     with exit_on_bad_input("evaluate.py"):  # bad input (data, model paths) ends in one line
         main(parse_config(EvalConfig, sys.argv[1:]))

@@ -23,7 +23,6 @@ report.json and report.png: held-out accuracy after every stage of every cycle, 
 and the SFT efficacy score. docs/openvlthinker.md has the details.
 """
 
-import fcntl
 import json
 import os
 import random
@@ -46,12 +45,14 @@ from utils.core.checkpoint import latest_checkpoint
 from utils.core.config import ConfigError, choice, parse_config, save_config
 from utils.core.data import load_vqa
 from utils.core.errors import exit_on_bad_input
+from utils.core.launch import stage_parent_env
+from utils.core.output_dir import hold_lock, release
+from utils.core.secrets import literal_secrets
 from utils.core.serving import die_with_parent, serving_problem
 from utils.eval.keywords import keyword_shares, sft_efficacy_score
 
 TINY_CYCLES_RECIPE = os.path.join(REPO, "recipes", "tiny_cycles.yaml")
 STAGE_FILE = "stage.json"
-LOCK_FILE = ".lock"  # held by the runner working in a folder (its pid inside)
 ESTIMATED_DIFFICULTY = "estimated_difficulty"
 
 
@@ -164,6 +165,11 @@ def stage_recipe(recipe, overrides, forced, defaults=None, cycle=None):
 def write_recipe(values, path, config_cls):
     """Write a stage's recipe and check it parses with the script's own config class (an unknown key or a bad
     value fails here, naming the stage, before any compute)."""
+    secrets = literal_secrets(values)
+    if secrets:  # refused before it is written: the stage would refuse its recipe anyway
+        raise ConfigError(f"{path}: the stage's flag {secrets[0]!r} holds a secret in clear, and a stage reads its "
+                          "flags from this recipe file: put it in the environment (judges and endpoints read "
+                          "OPENAI_API_KEY), which the stages inherit")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         yaml.safe_dump(values, f, sort_keys=False, allow_unicode=True)
@@ -220,38 +226,28 @@ class Runner:
 
     def hold(self, folder):
         """Take folder's lock for as long as this process lives (the OS drops it on any exit, a kill included), or
-        stop: a second runner on the same folder would run the same stage twice at once."""
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, LOCK_FILE)
-        self.lock = open(path, "a+")
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.lock.seek(0)
-            owner = self.lock.read().strip() or "?"
-            self.lock.close()
-            self.lock = None
-            raise SystemExit(f"{path}: {folder} is in use by another run (pid {owner}); wait for it to finish or "
-                             f"stop it, then run again (finished stages are skipped)") from None
-        self.lock.truncate(0)
-        self.lock.write(f"{os.getpid()}\n")
-        self.lock.flush()
+        stop, naming the holder's pid and host: a second runner on the same folder would run the same stage twice
+        at once (utils/core/output_dir.py)."""
+        self.lock = folder
+        hold_lock(folder, what="iterate run")
 
     def release(self):
         """Drop the lock `hold` took (the file stays: another runner may already have it open)."""
         if self.lock is not None:
-            fcntl.flock(self.lock, fcntl.LOCK_UN)
-            self.lock.close()
+            release(self.lock)
             self.lock = None
 
     def forward_signals(self):
-        """SIGTERM / SIGINT to iterate stop the running stage too."""
+        """SIGTERM / SIGINT to iterate stop the running stage too (its whole process group)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
 
     def _forward(self, signum, frame):
         if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
+            try:
+                os.killpg(self.child.pid, signum)  # the stage's launcher and every worker
+            except ProcessLookupError:
+                pass
         raise SystemExit(128 + signum)
 
     def launch(self, script, recipe):
@@ -283,8 +279,11 @@ class Runner:
         with open(os.path.join(folder, "stage.log"), "a", encoding="utf-8") as log:
             # the stage runs where iterate.py was started: --output_dir, the data and the configs are the caller's
             # relative paths (the scripts themselves are given by absolute path)
+            # its own process group (signals reach all of it), and the runner's pid in its environment: however this
+            # runner ends, even by SIGKILL, the stage's processes end with it (utils.core.launch.watch_stage_parent)
             self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, bufsize=1, preexec_fn=die_with_parent)
+                                          text=True, bufsize=1, preexec_fn=die_with_parent, start_new_session=True,
+                                          env={**os.environ, **stage_parent_env()})
             for line in self.child.stdout:
                 sys.stdout.write(line)
                 log.write(line)

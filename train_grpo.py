@@ -40,8 +40,9 @@ from utils.core.data_sources import HubDatasetFlags, dataset_flags_error, train_
 from utils.core.encoding import encode_prompts
 from utils.core.errors import exit_on_bad_input
 from utils.core.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
+from utils.core.guards import StepGuard
 from utils.core.importance import IS_MODES, importance_weights, mismatch_metrics, mismatch_stats
-from utils.core.launch import relaunch_multi_cpu_if_needed
+from utils.core.launch import relaunch_multi_cpu_if_needed, watch_stage_parent
 from utils.core.logprobs import CompletionLogProbs, can_share_prompts, prepare_reference_model
 from utils.core.losses import (
     ENTROPY_THRESHOLD,
@@ -72,6 +73,7 @@ from utils.core.run import (
     make_accelerator,
     prepare_training,
     resume_run,
+    run_flag,
     save_and_push,
     seed_run,
     start_logging,
@@ -260,6 +262,10 @@ class GRPOConfig(HubDatasetFlags, OptimizerFlags):
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none (comma-separated)
     push_to_hub: bool = False  # upload every checkpoint to --hub_model_id (in the background)
     hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
+    overwrite_output_dir: bool = run_flag("overwrite_output_dir")
+    hub_private_repo: Optional[bool] = run_flag("hub_private_repo")
+    ddp_timeout: int = run_flag("ddp_timeout")
+    max_skipped_steps: int = run_flag("max_skipped_steps")
     log_completions: bool = False  # write every completion of each logged step to completions.jsonl (TRL's flag)
     num_completions_to_print: Optional[int] = None  # with --log_completions, print this many per logged step; none: all
     # held-out evaluation (greedy accuracy), before and after training
@@ -574,6 +580,7 @@ class PassResult:
     stats: list  # clipped_policy_loss's stats, one per micro-batch
     grad_norm: Optional[torch.Tensor]  # before clipping; None: not clipped
     vllm_stats: list  # the sampler mismatch per micro-batch (--use_vllm)
+    stepped: bool = True  # False: the step guard skipped the optimizer step (a non-finite loss or gradient norm)
 
 
 @contextlib.contextmanager
@@ -676,6 +683,8 @@ def main(cfg: GRPOConfig):
         ref_sync.load_state_tensors(read_tensors(resume_path, REFERENCE_FILE))
     # a checkpoint taken inside a round holds the rest of it: resume there (`round_state`)
     pending = restore_round(ro, resume_path, state["round"]) if state.get("round") else None
+    guard = StepGuard(accelerator, cfg.max_skipped_steps)  # no optimizer step from a NaN or inf (utils/core/guards.py)
+    guard.load_state_dict(state.get("guard"))
     stages, levels = {"all": list(range(len(dataset)))}, None
     if cfg.curriculum:
         levels = state.get("difficulty_levels") or difficulty_levels(ro)
@@ -726,8 +735,9 @@ def main(cfg: GRPOConfig):
             # DAPO normalises by the completion tokens of the whole optimizer step, on all processes.
             step_tokens = accelerator.reduce(torch.stack([b.loss_mask.sum() for b in chunk]).sum().float(), "sum")
             result = optimisation_pass(ro, chunk, optimizer=optimizer, pcgrad=pcgrad, step_tokens=step_tokens,
-                                       loss_divisor=loss_divisor, step=global_step, timings=timings)
-            scheduler.step()
+                                       loss_divisor=loss_divisor, step=global_step, timings=timings, guard=guard)
+            if result.stepped:
+                scheduler.step()
             global_step += 1
             if ref_sync is not None:
                 ref_sync.after_step(global_step)
@@ -737,12 +747,13 @@ def main(cfg: GRPOConfig):
             if is_due(global_step, cfg.logging_steps, max_steps):
                 log_step(ro, logger, global_step, chunk, result, sampling=sampling, reward_log=reward_log,
                          learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
-                         timings=timings)
+                         timings=timings, skipped_steps=guard.skipped_steps)
             if is_due(global_step, cfg.save_steps, max_steps):
                 inside = position + 1 < mu * steps_per_pass  # the round goes on after this step
                 state = dict(global_step=global_step, round_index=round_index + (not inside),
                              sampler=sampler.state_dict(), stage=sampler.names[sampler.stage(global_step - 1)],
-                             difficulty_levels=levels, heldout_before=heldout_before)
+                             difficulty_levels=levels, heldout_before=heldout_before,
+                             guard=guard.state_dict())
                 saves = {}
                 if inside:  # every process joins the gathers; the main process writes
                     state["round"], tensors = round_state(ro, batches, position + 1, reward_log, sampling)
@@ -866,12 +877,13 @@ def add_fixed_logprobs(mb, policy, ref_policy, cfg, *, behaviour):
     mb.ref_logps = ref_policy(*args, **mb.policy_inputs()) if ref_policy else None
 
 
-def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divisor, step, timings):
+def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divisor, step, timings, guard):
     """Phase 5: one optimizer step over the round's micro-batches (gradients accumulated over them): the clipped
     surrogate (utils.core.losses.clipped_policy_loss; one per reward function under PCGrad), backward, clipping at
-    --max_grad_norm, the AdamW step. Returns the step's loss and statistics for the log."""
+    --max_grad_norm, the AdamW step unless `guard` skips it (a non-finite loss or gradient norm on any process).
+    Returns the step's loss and statistics for the log."""
     cfg, accelerator, policy, GA = ro.cfg, ro.accelerator, ro.policy, ro.layout.GA
-    step_loss, step_stats, grad_norm, vllm_stats = 0.0, [], None, []
+    step_loss, step_stats, grad_norm, vllm_stats, stepped = 0.0, [], None, [], True
     clear_stale_zero3_gradients(accelerator, policy)  # one optimizer step per pass (utils/core/zero3.py)
     for mb in batches:
         t0 = time.perf_counter()
@@ -914,18 +926,23 @@ def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divis
                 accelerator.backward(loss * (GA / loss_divisor))
             if accelerator.sync_gradients and cfg.max_grad_norm:
                 grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            optimizer.step()
+            if accelerator.sync_gradients:
+                stepped = guard.step_ok(step + 1, step_loss + loss.detach() / loss_divisor, grad_norm,
+                                        policy.parameters(), optimizer)
+            if stepped:
+                optimizer.step()
             optimizer.zero_grad()
         timings["backward"] += time.perf_counter() - t0
         step_loss += loss.detach() / loss_divisor
         step_stats.append(stats)
-    return PassResult(loss=step_loss, stats=step_stats, grad_norm=grad_norm, vllm_stats=vllm_stats)
+    return PassResult(loss=step_loss, stats=step_stats, grad_norm=grad_norm, vllm_stats=vllm_stats, stepped=stepped)
 
 
-def log_step(ro, logger, step, batches, result, *, sampling, reward_log, learning_rate, step_time, timings):
+def log_step(ro, logger, step, batches, result, *, sampling, reward_log, learning_rate, step_time, timings,
+             skipped_steps=0):
     """Phase 6: the step's metrics row (docs/grpo.md lists them) and, with --log_completions, its completions."""
     metrics = step_metrics(ro, batches, result)
-    metrics.update(sampling, **reward_log.metric_means())
+    metrics.update(sampling, **reward_log.metric_means(), skipped_steps=skipped_steps)
     if result.vllm_stats:  # sums and maxima over the step's micro-batches, then over the processes
         combined = {k: (torch.stack([st[k] for st in result.vllm_stats]).max() if k.endswith("max")
                         else sum(st[k] for st in result.vllm_stats)) for k in result.vllm_stats[0]}
@@ -1281,6 +1298,7 @@ def difficulty_levels(ro):
 
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
+    watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     # With no arguments, run the tiny CPU recipe. Bad input (data, prompts, model paths) ends in one line.
     with exit_on_bad_input("train_grpo.py"):
         main(parse_config(GRPOConfig, sys.argv[1:] or ["--config", TINY_RECIPE]))

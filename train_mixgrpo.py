@@ -29,7 +29,8 @@ from tiny.cache import resolve_tiny_t2i
 from utils.core.config import ConfigError, choice, parse_config
 from utils.core.encoding import encode_prompts
 from utils.core.errors import InputError, exit_on_bad_input
-from utils.core.launch import relaunch_multi_cpu_if_needed
+from utils.core.guards import StepGuard, UnscoredStreak
+from utils.core.launch import relaunch_multi_cpu_if_needed, watch_stage_parent
 from utils.core.logprobs import prepare_reference_model
 from utils.core.losses import clipped_policy_loss
 from utils.core.models import has_adapters
@@ -43,6 +44,7 @@ from utils.core.run import (
     make_accelerator,
     prepare_training,
     resume_run,
+    run_flag,
     save_and_push,
     seed_run,
     start_logging,
@@ -83,6 +85,7 @@ TINY_MIXGRPO_RECIPE = os.path.join(REPO, "recipes", "tiny_mixgrpo.yaml")
 DATASETS = ("shapes_t2i", "geneval", "geneval_plus", "tiif", "prompts")
 REWARDS = ("shapes_t2i", "geneval", "judge_geneval_plus", "judge_tiif", "pickscore", "clipscore", "aesthetic", "hpsv2",
            "imagereward", "ocr", "unifiedreward", "weighted")
+JUDGES = ("judge_geneval_plus", "judge_tiif", "unifiedreward")  # rewards that send an API key to a chat endpoint
 
 
 @dataclass
@@ -136,6 +139,9 @@ class MixGRPOConfig(OptimizerFlags):
     reward_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON options of --reward_fn"})
     reward_server_urls: str = "http://127.0.0.1"  # comma-separated reward server URLs (rank r: endpoint r mod n)
     reward_server_port: Optional[str] = "8000"  # comma-separated ports, combined with every URL; none: in the URLs
+    allow_insecure_api_key: bool = field(default=False, metadata={"help": (
+        "a judge reward may send its API key over plain http to a host other than 127.0.0.1 (refused otherwise: it "
+        "travels in clear)")})
     format_weight: float = 1.0  # w_fmt: reason text reward = score * fmt + w_fmt * fmt (R3: 1.0)
     # Flow-GRPO: no text
     text_free: bool = field(default=False, metadata={
@@ -215,6 +221,12 @@ class MixGRPOConfig(OptimizerFlags):
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none
     push_to_hub: bool = False  # upload every checkpoint to --hub_model_id
     hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
+    overwrite_output_dir: bool = run_flag("overwrite_output_dir")
+    hub_private_repo: Optional[bool] = run_flag("hub_private_repo")
+    ddp_timeout: int = run_flag("ddp_timeout")
+    max_skipped_steps: int = run_flag("max_skipped_steps")
+    max_unscored_steps: int = field(default=3, metadata={"help": (
+        "stop when the reward scores none of a stage's images this many steps of that stage in a row")})
     log_completions: int = 4  # rollouts per logged step written to completions.jsonl
     # held-out evaluation: greedy text, ODE image, more steps
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
@@ -300,6 +312,11 @@ def validate(cfg, num_processes):
             raise ConfigError(f"--sde_window_range {cfg.sde_window_range}: expected [lo, hi] with a window of "
                               f"--sde_window_size {cfg.sde_window_size} (>= 1) inside it and hi <= --num_timesteps_gen "
                               f"- 1 = {cfg.num_timesteps_gen - 1}")
+    if cfg.max_unscored_steps < 1:
+        raise ConfigError(f"--max_unscored_steps {cfg.max_unscored_steps} must be >= 1")
+    if cfg.allow_insecure_api_key and cfg.reward_fn not in JUDGES:
+        raise ConfigError(f"--allow_insecure_api_key applies to the judge rewards ({', '.join(JUDGES)}), not "
+                          f"--reward_fn {cfg.reward_fn}")
 
 
 SEED_STREAMS = 8  # text, initial noise, SDE step pick, SDE noise, buffer draw, SDE window start; room for more
@@ -564,6 +581,14 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
                    score_prev=prev)
 
 
+def scored_counts(accelerator, roll):
+    """(images the reward was asked to score this step, images it scored), over every process: the reason stage
+    scores all its images, a refine only those it edited."""
+    asked = torch.ones(len(roll.scores), dtype=torch.bool) if roll.stage == "reason" else ~roll.no_edit.bool()
+    counts = torch.tensor([asked.sum(), (asked & ~roll.scores.isnan()).sum()], device=accelerator.device)
+    return accelerator.reduce(counts, "sum").tolist()
+
+
 def gather_by_index(accelerator, values, global_ids, total):
     """Every process's per-rollout values placed at their global rollout index: [total] on every process."""
     ids = accelerator.gather(torch.tensor(global_ids, device=accelerator.device))
@@ -660,9 +685,10 @@ def reference_logprobs(cfg, mix, ref_policy, roll):
     return ref_logps, ref["image"][1] if image_ref else None
 
 
-def optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, *, ref_logps, ref_mean, total):
+def optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, *, ref_logps, ref_mean, total, guard, step):
     """Phase 4: `mixgrpo_loss` on this step's rollouts, backward, clipping at --max_grad_norm and one AdamW step on
-    both parts. Returns (loss, stats, the gradient norm before clipping or None)."""
+    both parts, unless `guard` skips it (a non-finite loss or gradient norm on any process). Returns (loss, stats,
+    the gradient norm before clipping or None, whether the step was taken)."""
     text_tokens = accelerator.reduce(roll.mask.sum().float(), "sum")
     mix.train()
     loss, stats = mixgrpo_loss(cfg, mix, roll, adv.text, adv.image, ref_logps=ref_logps, ref_mean=ref_mean,
@@ -671,12 +697,15 @@ def optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, *, ref_logps, re
     accelerator.backward(loss)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm else None
-    optimizer.step()
+    stepped = guard.step_ok(step, loss.detach(), grad_norm, params, optimizer)
+    if stepped:
+        optimizer.step()
     optimizer.zero_grad()
-    return loss, stats, grad_norm
+    return loss, stats, grad_norm, stepped
 
 
-def log_step(accelerator, logger, cfg, step, roll, adv, loss, stats, grad_norm, *, total, learning_rate, step_time):
+def log_step(accelerator, logger, cfg, step, roll, adv, loss, stats, grad_norm, *, total, learning_rate, step_time,
+             skipped_steps=0):
     """Phase 5: the step's metrics row, under its stage's name (docs/mixgrpo.md), and its first --log_completions
     rollouts."""
     stage = roll.stage
@@ -695,7 +724,7 @@ def log_step(accelerator, logger, cfg, step, roll, adv, loss, stats, grad_norm, 
                f"{stage}/completion_length": accelerator.gather(roll.mask.sum(-1)).float().mean(),
                f"{stage}/sde_step": roll.sde_index.mean(),
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               "learning_rate": learning_rate, "step_time": step_time}
+               "learning_rate": learning_rate, "step_time": step_time, "skipped_steps": skipped_steps}
     if stage == "reflect":
         metrics["reflect/no_edit"] = gathered(roll.no_edit).mean()
         metrics["reflect/improvement"] = (scores - gathered(roll.score_prev)).nanmean()
@@ -795,6 +824,10 @@ def main(cfg: MixGRPOConfig):
     # ---- resume ----
     state, resume_path = resume_run(accelerator, cfg)
     global_step = state.get("global_step", 0)
+    guard = StepGuard(accelerator, cfg.max_skipped_steps)  # no optimizer step from a NaN or inf (utils/core/guards.py)
+    unscored = UnscoredStreak(cfg.reward_fn, cfg.max_unscored_steps)  # a reward that scores nothing stops the run
+    guard.load_state_dict(state.get("guard"))
+    unscored.load_state_dict(state.get("unscored"))
     # the next step reflects on the checkpointed buffer
     buffer = load_buffer(os.path.join(resume_path, "reflect_buffer")) if resume_path else None
     sampler = SeededSampler(len(train_rows), seed=cfg.seed)
@@ -845,6 +878,7 @@ def main(cfg: MixGRPOConfig):
                 prompt_idx = sampler.take(prompts_per_step)  # every process draws the same stream
                 rows = [train_rows[prompt_idx[q]] for q in mine]
             roll = sample_rollout(cfg, global_step, mine, rows, buffer, mix=mix, **rollout_kw)
+        unscored.update(roll.stage, global_step + 1, *scored_counts(accelerator, roll))
         if roll.stage == "reason" and cfg.reflect_refine:
             buffer = build_buffer(accelerator, roll)
         # ---- 2. rewards and advantages over whole policy groups (gathered across processes) ----
@@ -852,20 +886,24 @@ def main(cfg: MixGRPOConfig):
         # ---- 3. the references' log-probs: a frozen copy, or the same weights with LoRA off ----
         ref_logps, ref_mean = reference_logprobs(cfg, mix, ref_policy, roll)
         # ---- 4. one optimizer step on both parts ----
-        loss, stats, grad_norm = optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, ref_logps=ref_logps,
-                                                ref_mean=ref_mean, total=total)
-        scheduler.step()
+        loss, stats, grad_norm, stepped = optimizer_step(cfg, accelerator, mix, optimizer, roll, adv, guard=guard,
+                                                         step=global_step + 1, ref_logps=ref_logps,
+                                                         ref_mean=ref_mean, total=total)
+        if stepped:
+            scheduler.step()
         global_step += 1
 
         # ---- 5. log, evaluate, checkpoint (atomic: both parts, optimizer, scheduler, sampler, RNG) and push ----
         if is_due(global_step, cfg.logging_steps, cfg.max_steps):
             log_step(accelerator, logger, cfg, global_step, roll, adv, loss, stats, grad_norm, total=total,
-                     learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - t_step)
+                     learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - t_step,
+                     skipped_steps=guard.skipped_steps)
         if val_rows is not None and cfg.eval_steps and global_step % cfg.eval_steps == 0 \
                 and global_step < cfg.max_steps:
             evaluate(f"step{global_step}")
         if is_due(global_step, cfg.save_steps, cfg.max_steps):
-            state = dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before)
+            state = dict(global_step=global_step, sampler=sampler.state_dict(), heldout_before=heldout_before,
+                         guard=guard.state_dict(), unscored=unscored.state_dict())
             save_step(accelerator, cfg, global_step, mix=mix, processor=processor, state=state, buffer=buffer,
                       generators=generators, logger=logger, uploader=uploader, gen_path=gen_path, vlm_path=vlm_path)
 
@@ -993,5 +1031,6 @@ def load_buffer(folder):
 
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
+    watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     with exit_on_bad_input("train_mixgrpo.py"):  # bad input (data, model paths) ends in one line
         main(parse_config(MixGRPOConfig, sys.argv[1:] or ["--config", TINY_MIXGRPO_RECIPE]))

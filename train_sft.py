@@ -26,7 +26,8 @@ from utils.core.conversations import set_chat_template
 from utils.core.data import load_sharegpt, load_vqa
 from utils.core.data_sources import HubDatasetFlags, dataset_flags_error, train_rows, train_split
 from utils.core.errors import exit_on_bad_input
-from utils.core.launch import relaunch_multi_cpu_if_needed
+from utils.core.guards import StepGuard
+from utils.core.launch import relaunch_multi_cpu_if_needed, watch_stage_parent
 from utils.core.logprobs import CompletionLogProbs, hf_core
 from utils.core.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
 from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_steps
@@ -37,6 +38,7 @@ from utils.core.run import (
     make_accelerator,
     prepare_training,
     resume_run,
+    run_flag,
     seed_run,
     start_logging,
     train_summary,
@@ -142,6 +144,10 @@ class SFTConfig(HubDatasetFlags, OptimizerFlags):
                                      metadata={"help": "tensorboard, wandb, trackio, all or none"})
     push_to_hub: bool = False  # upload every checkpoint to --hub_model_id (in the background)
     hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
+    overwrite_output_dir: bool = run_flag("overwrite_output_dir")
+    hub_private_repo: Optional[bool] = run_flag("hub_private_repo")
+    ddp_timeout: int = run_flag("ddp_timeout")
+    max_skipped_steps: int = run_flag("max_skipped_steps")
 
 
 def validate(cfg):
@@ -246,6 +252,8 @@ def main(cfg: SFTConfig):
     # ---- resume ----
     state, _ = resume_run(accelerator, cfg)
     global_step = state.get("global_step", 0)
+    guard = StepGuard(accelerator, cfg.max_skipped_steps)
+    guard.load_state_dict(state.get("guard"))
     sampler = SeededSampler(len(dataset), seed=cfg.seed)
     if state:
         sampler.load_state_dict(state["sampler"])
@@ -276,7 +284,7 @@ def main(cfg: SFTConfig):
 
         # ---- 2. forward/backward, one optimizer step ----
         policy.train()
-        step_loss, grad_norm = 0.0, None
+        step_loss, grad_norm, stepped = 0.0, None, True
         clear_stale_zero3_gradients(accelerator, policy)  # a text-only step leaves the vision tower idle
         for batch in micro_batches:
             with accelerator.accumulate(policy):
@@ -285,10 +293,15 @@ def main(cfg: SFTConfig):
                 accelerator.backward(loss * GA)
                 if accelerator.sync_gradients and cfg.max_grad_norm:
                     grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                optimizer.step()
+                if accelerator.sync_gradients:  # a NaN or inf loss or gradient norm: no step (utils/core/guards.py)
+                    stepped = guard.step_ok(global_step + 1, step_loss + loss.detach() / world, grad_norm,
+                                            policy.parameters(), optimizer)
+                if stepped:
+                    optimizer.step()
                 optimizer.zero_grad()
             step_loss += loss.detach() / world
-        scheduler.step()
+        if stepped:
+            scheduler.step()
         global_step += 1
 
         # ---- 3. held-out accuracy, log ----
@@ -303,12 +316,13 @@ def main(cfg: SFTConfig):
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "tokens": step_tokens.item(),
                 "step_time": time.perf_counter() - step_start,
+                "skipped_steps": guard.skipped_steps,
             })
             logger.log(global_step, metrics)
 
         # ---- 4. checkpoint (atomic) and push ----
         if global_step % cfg.save_steps == 0 or global_step == max_steps:
-            state = dict(global_step=global_step, sampler=sampler.state_dict())
+            state = dict(global_step=global_step, sampler=sampler.state_dict(), guard=guard.state_dict())
             path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
                                    extra_state=state, save_total_limit=cfg.save_total_limit)
             if uploader:
@@ -331,6 +345,7 @@ def main(cfg: SFTConfig):
 
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
+    watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     # With no arguments, run the tiny CPU recipe. Bad input (data, prompts, model paths) ends in one line.
     with exit_on_bad_input("train_sft.py"):
         main(parse_config(SFTConfig, sys.argv[1:] or ["--config", TINY_SFT_RECIPE]))

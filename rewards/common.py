@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from utils.core.secrets import redact
+
 GENEVAL_METADATA_KEYS = ("tag", "include", "exclude", "prompt")
 # What a trainer passes besides the data set columns (TRL 1.16's GRPOTrainer passes all of these).
 TRAINER_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -120,8 +122,8 @@ class RewardFunction:
     def __call__(self, completions, **columns):
         return self.fn(completions, **{**columns, **self.options})  # options win over same-named columns
 
-    def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+    def __repr__(self) -> str:  # secrets redacted: a repr ends up in logs and error messages
+        options = ", ".join(f"{k}={v!r}" for k, v in redact(self.options).items())
         return f"<reward {self.__name__}({options})>"
 
 

@@ -22,6 +22,7 @@ from crystal_metrics import rewards as cm
 
 from rewards.common import RewardFunction, completion_texts, optional_column, require_column
 from rewards.geneval import RewardServerError
+from utils.core.secrets import redact_url
 
 # CRYSTAL paper defaults; the reasoning thresholds are crystal-metrics' own defaults.
 CPR_ANSWER_WEIGHT = 0.6
@@ -126,8 +127,8 @@ def _accuracy(completions, *, use_llm_grader, llm_model, base_url, **columns) ->
     try:
         scores = cm.accuracy_reward(completion_texts(completions), **kwargs)
     except _GraderDown as e:
-        raise RewardServerError(f"reward 'accuracy': the LLM grader {llm_model!r} at {base_url} failed ({e}); "
-                                "a grader that is down is reported, not replaced by string matching") from None
+        raise RewardServerError(f"reward 'accuracy': the LLM grader {llm_model!r} at {redact_url(base_url)} failed "
+                                f"({e}); a grader that is down is reported, not replaced by string matching") from None
     finally:
         judge.LLMGrader = original
     return _mask_missing(scores, truths)

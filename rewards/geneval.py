@@ -14,17 +14,14 @@ cannot execute code in the trainer.
 from __future__ import annotations
 
 import io
-import logging
 import pickle
-import time
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
-import requests
-
 from rewards.common import GENEVAL_METADATA_KEYS, RewardFunction, check_length, image_bytes, metadata_rows, process_rank
+from utils.core.http import post
+from utils.core.secrets import redact_url
 
-logger = logging.getLogger(__name__)
 
 class UnsafePickleError(pickle.UnpicklingError):
     """A pickle named a global outside the allow-list."""
@@ -100,22 +97,22 @@ class GenEvalClient:
 
     ``urls``: endpoint URLs (a list or a comma-separated string); this process uses ``urls[rank % n]`` with
     ``rank`` defaulting to the process rank, so ranks spread over servers. Requests go out in batches of
-    ``batch_size``; connection errors and 5xx replies are retried ``max_retries`` times with exponential
-    backoff (``backoff`` * 2^attempt seconds). ``timeout`` bounds each request; a server that does not
-    answer within it raises RewardServerError without a retry (it is alive but busy, and a retry would
-    queue the same work again).
+    ``batch_size`` through `utils.core.http.post`: connection errors and 5xx replies are retried ``max_retries``
+    times with exponential backoff (``backoff`` * 2^attempt seconds), within ``deadline`` seconds in all (None: no
+    bound beyond the attempts'). ``timeout`` bounds each request's wall clock, the reply's bytes included; a server
+    that does not answer within it raises RewardServerTimeout without a retry (it is alive but busy, and a retry
+    would queue the same work again).
     """
 
     def __init__(self, urls: str | Sequence[str], *, timeout: float = 60.0, max_retries: int = 3,
-                 batch_size: int = 64, rank: int | None = None, backoff: float = 0.5,
-                 session: requests.Session | None = None):
+                 batch_size: int = 64, rank: int | None = None, backoff: float = 0.5, deadline: float | None = None):
         self.urls = server_endpoints(urls)
         self.rank = process_rank() if rank is None else int(rank)
         self.url = self.urls[self.rank % len(self.urls)]
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.timeout, self.max_retries, self.batch_size, self.backoff = timeout, max_retries, batch_size, backoff
-        self.session = session or requests.Session()
+        self.deadline = deadline
 
     def score(self, images: Sequence[Any], metadata: Sequence[dict], only_strict: bool = False) -> dict:
         """Score PIL images (or JPEG bytes) against their GenEval metadata rows, one row per image.
@@ -135,46 +132,29 @@ class GenEvalClient:
         return merged
 
     def _post(self, body: bytes, n: int) -> dict:
-        last_error = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                response = self.session.post(self.url, data=body, timeout=self.timeout,
-                                             headers={"Content-Type": "application/octet-stream"})
-            except requests.exceptions.ReadTimeout as e:
-                raise RewardServerTimeout(f"GenEval server {self.url} sent no reply within "
-                                          f"timeout={self.timeout}s for a batch of {n} images") from e
-            except requests.exceptions.ConnectionError as e:  # includes connect timeouts
-                last_error = f"connection error: {e}"
-                logger.warning("GenEval server %s: %s (attempt %d/%d)", self.url, last_error, attempt + 1,
-                               self.max_retries + 1)
-                continue
-            if response.status_code >= 500:
-                last_error = f"HTTP {response.status_code}: {response.text[-500:]}"
-                logger.warning("GenEval server %s: %s (attempt %d/%d)", self.url, last_error, attempt + 1,
-                               self.max_retries + 1)
-                continue
-            if response.status_code != 200:
-                raise RewardServerError(f"GenEval server {self.url} answered HTTP {response.status_code}: "
-                                        f"{response.text[-500:]}")
-            return self._decode(response.content, n)
-        raise RewardServerError(f"GenEval server {self.url} failed after {self.max_retries + 1} attempts; "
-                                f"last error: {last_error}")
+        response = post(self.url, what="GenEval server", data=body, timeout=self.timeout,
+                        max_retries=self.max_retries, backoff=self.backoff, deadline=self.deadline,
+                        retry_timeouts=False, failure=RewardServerError, timeout_error=RewardServerTimeout,
+                        headers={"Content-Type": "application/octet-stream"})
+        if response.status != 200:
+            raise RewardServerError(f"GenEval server {redact_url(self.url)} answered HTTP {response.status}: "
+                                    f"{response.text[-500:]}")
+        return self._decode(response.content, n)
 
     def _decode(self, content: bytes, n: int) -> dict:
         try:
             reply = safe_loads(content)
         except UnsafePickleError as e:
-            raise UnsafePickleError(f"GenEval server {self.url}: {e}") from None
+            raise UnsafePickleError(f"GenEval server {redact_url(self.url)}: {e}") from None
         except Exception as e:
-            raise RewardServerError(f"GenEval server {self.url} replied with an unreadable pickle: {e}") from e
+            raise RewardServerError(f"GenEval server {redact_url(self.url)} replied with an unreadable pickle: "
+                                    f"{e}") from e
         if not isinstance(reply, dict) or "scores" not in reply:
-            raise RewardServerError(f"GenEval server {self.url} replied without 'scores': got "
+            raise RewardServerError(f"GenEval server {redact_url(self.url)} replied without 'scores': got "
                                     f"{type(reply).__name__} {sorted(reply) if isinstance(reply, dict) else ''}")
         if len(reply["scores"]) != n:
-            raise RewardServerError(f"GenEval server {self.url} returned {len(reply['scores'])} scores for {n} "
-                                    f"images")
+            raise RewardServerError(f"GenEval server {redact_url(self.url)} returned {len(reply['scores'])} scores "
+                                    f"for {n} images")
         return reply
 
 
@@ -202,15 +182,18 @@ def _merge_into(merged: dict, reply: dict, n_before: int, n_batch: int) -> None:
 def geneval_reward(reward_server_urls: str | Sequence[str] = "http://127.0.0.1",
                    reward_server_port: str | int | Sequence[int] | None = "8000", rank: int | None = None,
                    timeout: float = 60.0, max_retries: int = 3, batch_size: int = 64, only_strict: bool = False,
-                   metadata_keys: Sequence[str] = GENEVAL_METADATA_KEYS, backoff: float = 0.5):
+                   metadata_keys: Sequence[str] = GENEVAL_METADATA_KEYS, backoff: float = 0.5,
+                   deadline: float | None = None):
     """GenEval server score per generated image: ``fn(completions, images=[PIL, ...], tag=..., include=...)``.
 
     The trainer passes the generated images as ``images`` (one per completion, None to skip a sample) beside
     the GenEval row columns ``tag``, ``include``, ``exclude``, ``prompt`` (or one ``metadata`` column of
-    dicts). Endpoint: ``rank % n`` over ``reward_server_urls`` x ``reward_server_port``.
+    dicts). Endpoint: ``rank % n`` over ``reward_server_urls`` x ``reward_server_port``. ``timeout``, ``max_retries``,
+    ``backoff`` and ``deadline``: as in `GenEvalClient`.
     """
     client = GenEvalClient(server_endpoints(reward_server_urls, reward_server_port), timeout=timeout,
-                           max_retries=max_retries, batch_size=batch_size, rank=rank, backoff=backoff)
+                           max_retries=max_retries, batch_size=batch_size, rank=rank, backoff=backoff,
+                           deadline=deadline)
     return RewardFunction("geneval", _geneval, client=client, only_strict=bool(only_strict),
                           metadata_keys=tuple(metadata_keys))
 

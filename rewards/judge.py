@@ -1,9 +1,10 @@
 """VLM-as-judge rewards over any OpenAI-compatible chat endpoint (e.g. vLLM serving Qwen2.5-VL-72B-AWQ).
 
-The image travels inline as a base64 data URL; requests run in a bounded thread pool, each with a timeout
-and retries (connection errors, timeouts, 429 and 5xx, exponential backoff). Replies are read with a
-tolerant JSON extractor: reasoning blocks, code fences, prose around the object, Python-style literals
-and trailing commas are all handled.
+The image travels inline as a base64 data URL; requests run in a bounded thread pool, each with a wall-clock
+timeout, retries (connection errors, timeouts, 429 and 5xx, exponential backoff) and a deadline
+(`utils.core.http`); an API key goes only over https or to 127.0.0.1 unless `allow_insecure_api_key`.
+Replies are read with a tolerant JSON extractor: reasoning blocks, code fences, prose around the object,
+Python-style literals and trailing commas are all handled.
 
     judge_geneval_plus  GenEval++ (R3's judge): strict rules as the system prompt, the prompt and a checklist built
                         from the row's include / exclude metadata; the judge returns {"correct": 1|0}; the
@@ -17,20 +18,15 @@ from __future__ import annotations
 import ast
 import base64
 import json
-import logging
 import os
 import re
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-import requests
-
 from rewards.common import RewardFunction, image_bytes, images_column, optional_column, prompt_texts
 from rewards.geneval import GENEVAL_PLUS_PROMPT, GENEVAL_PLUS_SYSTEM, geneval_plus_checklist
-
-logger = logging.getLogger(__name__)
+from utils.core.http import post
+from utils.core.secrets import NOT_SECRET, redact_url
 
 DEFAULT_JUDGE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_JUDGE_MODEL = "Qwen/Qwen2.5-VL-72B-Instruct-AWQ"
@@ -40,39 +36,64 @@ class JudgeError(RuntimeError):
     """The judge endpoint could not be reached or replied with something that is not a chat completion."""
 
 
+class JudgeTimeout(JudgeError, TimeoutError):
+    """The judge sent no whole reply within the deadline."""
+
+
 def image_data_url(image: Any) -> str:
     """A PIL image (or JPEG bytes) as a ``data:image/jpeg;base64,...`` URL."""
     return "data:image/jpeg;base64," + base64.b64encode(image_bytes(image)).decode("ascii")
 
 
+def loopback(url: str) -> bool:
+    """True when `url`'s host is this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_key_transport(url: str, api_key: str | None, allow_insecure: bool = False):
+    """An API key travels only over https or to this machine: plain http to another host would send it in clear."""
+    if api_key in NOT_SECRET or allow_insecure or url.lower().startswith("https://") or loopback(url):
+        return
+    raise ValueError(f"{redact_url(url)}: refusing to send an API key over plain http to another machine (anyone on "
+                     "the way could read it): use https, a server on 127.0.0.1, or allow_insecure_api_key "
+                     "(--allow_insecure_api_key) if the network is yours")
+
+
 class JudgeClient:
-    """Chat-completions client for an OpenAI-compatible server, safe to call from many threads at once."""
+    """Chat-completions client for an OpenAI-compatible server, safe to call from many threads at once.
+
+    Each request goes through `utils.core.http.post`: `timeout` bounds an attempt's wall clock (the reply's bytes
+    included), connection errors, timeouts, 429 and 5xx are retried `max_retries` times with exponential backoff,
+    and `deadline` bounds the whole call (None: the attempts' own bound). The API key (`api_key`, else
+    $OPENAI_API_KEY, else "EMPTY", which vLLM accepts) goes only over https or to 127.0.0.1 unless
+    `allow_insecure_api_key`."""
 
     def __init__(self, base_url: str = DEFAULT_JUDGE_URL, model: str = DEFAULT_JUDGE_MODEL, *,
                  api_key: str | None = None, timeout: float = 60.0, max_retries: int = 3, max_concurrency: int = 8,
-                 temperature: float = 0.0, max_tokens: int = 512, backoff: float = 0.5):
+                 temperature: float = 0.0, max_tokens: int = 512, backoff: float = 0.5,
+                 deadline: float | None = None, allow_insecure_api_key: bool = False):
         base_url = base_url.rstrip("/")
         self.url = base_url if base_url.endswith("/chat/completions") else base_url + "/chat/completions"
         self.model = model
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # vLLM accepts any key by default
-        self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+        check_key_transport(self.url, self.api_key, allow_insecure_api_key)
+        self.timeout, self.max_retries, self.backoff, self.deadline = timeout, max_retries, backoff, deadline
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
         self.temperature, self.max_tokens = temperature, max_tokens
-        self._local = threading.local()  # one requests.Session per thread
 
-    def __getstate__(self) -> dict:  # sessions are per thread and per process: rebuild them after pickling
-        return {k: v for k, v in self.__dict__.items() if k != "_local"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
-
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-        return self._local.session
+    def __repr__(self) -> str:  # never the key
+        return f"JudgeClient({redact_url(self.url)!r}, {self.model!r})"
 
     def chat(self, prompt: str, image: Any = None, system: str | None = None, *, reasoning: bool = False,
              **params) -> str:
@@ -88,37 +109,27 @@ class JudgeClient:
             content.append({"type": "image_url", "image_url": {"url": image_data_url(image)}})
         content.append({"type": "text", "text": prompt})
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        return self.complete(messages, reasoning=reasoning, **params)
+
+    def complete(self, messages: list[dict], *, reasoning: bool = False, **params) -> str:
+        """The assistant's text for chat `messages` (OpenAI's format); `reasoning` and `params` as in `chat`."""
         body = {"model": self.model, "messages": messages,
                 "temperature": self.temperature, "max_tokens": self.max_tokens, **params}
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        last_error = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                response = self._session().post(self.url, json=body, headers=headers, timeout=self.timeout)
-            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
-                last_error = f"{type(e).__name__}: {e}"
-                logger.warning("judge %s: %s (attempt %d/%d)", self.url, last_error, attempt + 1, self.max_retries + 1)
-                continue
-            if response.status_code == 429 or response.status_code >= 500:
-                last_error = f"HTTP {response.status_code}: {response.text[-300:]}"
-                logger.warning("judge %s: %s (attempt %d/%d)", self.url, last_error, attempt + 1, self.max_retries + 1)
-                continue
-            if response.status_code != 200:
-                raise JudgeError(f"judge {self.url} answered HTTP {response.status_code}: {response.text[-300:]}")
-            try:
-                message = response.json()["choices"][0]["message"]
-                text = message["content"]
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                raise JudgeError(f"judge {self.url} replied with no choices[0].message.content: "
-                                 f"{response.text[:300]}") from e
-            if not isinstance(text, (str, type(None))):
-                raise JudgeError(f"judge {self.url} replied with a non-text message content: {response.text[:300]}")
-            thought = (message.get("reasoning_content") or message.get("reasoning")) if reasoning else None
-            return f"<think>{thought}</think>{text or ''}" if thought else text or ""
-        raise JudgeError(f"judge {self.url} failed after {self.max_retries + 1} attempts "
-                         f"(timeout={self.timeout}s); last error: {last_error}")
+        url = redact_url(self.url)
+        response = post(self.url, what="judge", json=body, headers={"Authorization": f"Bearer {self.api_key}"},
+                        timeout=self.timeout, max_retries=self.max_retries, backoff=self.backoff,
+                        deadline=self.deadline, failure=JudgeError, timeout_error=JudgeTimeout)
+        if response.status != 200:
+            raise JudgeError(f"judge {url} answered HTTP {response.status}: {response.text[-300:]}")
+        try:
+            message = response.json()["choices"][0]["message"]
+            text = message["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise JudgeError(f"judge {url} replied with no choices[0].message.content: {response.text[:300]}") from e
+        if not isinstance(text, (str, type(None))):
+            raise JudgeError(f"judge {url} replied with a non-text message content: {response.text[:300]}")
+        thought = (message.get("reasoning_content") or message.get("reasoning")) if reasoning else None
+        return f"<think>{thought}</think>{text or ''}" if thought else text or ""
 
     def chat_many(self, requests_: Sequence[tuple[str, Any]]) -> list[str]:
         """``chat`` over (prompt, image[, system]) tuples with at most ``max_concurrency`` in flight; input order
@@ -239,9 +250,11 @@ _prompts = prompt_texts
 _images = images_column
 
 
-def _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff) -> JudgeClient:
+def _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff, deadline,
+            allow_insecure_api_key) -> JudgeClient:
     return JudgeClient(base_url, model, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                       max_concurrency=max_concurrency, max_tokens=max_tokens, backoff=backoff)
+                       max_concurrency=max_concurrency, max_tokens=max_tokens, backoff=backoff, deadline=deadline,
+                       allow_insecure_api_key=allow_insecure_api_key)
 
 
 def geneval_plus_verdict(reply: str) -> float | None:
@@ -260,14 +273,16 @@ def judge_geneval_plus_reward(base_url: str = DEFAULT_JUDGE_URL, model: str = DE
                               api_key: str | None = None, timeout: float = 60.0, max_retries: int = 3,
                               max_concurrency: int = 8, max_tokens: int = 512, backoff: float = 0.5,
                               prompt_template: str = GENEVAL_PLUS_PROMPT, system_prompt: str = GENEVAL_PLUS_SYSTEM,
-                              prompt_column: str = "prompt"):
+                              prompt_column: str = "prompt", deadline: float | None = None,
+                              allow_insecure_api_key: bool = False):
     """GenEval++ judge (R3's): ``fn(completions, images=[PIL, ...], prompt=[...], include=[[item, ...]],
     exclude=[[item, ...]])`` -> 1.0 / 0.0 per image, None for an image that is None or a reply with no verdict.
 
     Each request: ``system_prompt``, then a user turn with the image and ``prompt_template`` formatted with
     ``prompt=`` and ``checklist=`` (`geneval_plus_checklist` of the row's include / exclude items).
     """
-    client = _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff)
+    client = _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff, deadline,
+                     allow_insecure_api_key)
     return RewardFunction("judge_geneval_plus", _judge_geneval_plus, client=client, prompt_template=prompt_template,
                           system_prompt=system_prompt, prompt_column=prompt_column)
 
@@ -310,23 +325,28 @@ def tiif_answers(reply: str, n_questions: int) -> list[bool | None]:
     return answers + [None] * (n_questions - len(answers))
 
 
-def tiif_score(reply: str, expected: Sequence[Any]) -> float:
-    """Fraction of the expected yes/no answers the judge's reply matches."""
+def tiif_score(reply: str, expected: Sequence[Any]) -> float | None:
+    """Fraction of the expected yes/no answers the judge's reply matches; None when no answer at all can be read
+    from it (no score rather than a silent 0, as GenEval++: the trainer leaves such images out and counts them)."""
     expected_truth = [_truth(e) for e in expected]
     got = tiif_answers(reply, len(expected_truth))
+    if all(g is None for g in got):
+        return None
     return sum(g is not None and g == e for g, e in zip(got, expected_truth)) / len(expected_truth)
 
 
 def judge_tiif_reward(base_url: str = DEFAULT_JUDGE_URL, model: str = DEFAULT_JUDGE_MODEL,
                       api_key: str | None = None, timeout: float = 60.0, max_retries: int = 3,
                       max_concurrency: int = 8, max_tokens: int = 512, backoff: float = 0.5,
-                      prompt_template: str = TIIF_PROMPT):
+                      prompt_template: str = TIIF_PROMPT, deadline: float | None = None,
+                      allow_insecure_api_key: bool = False):
     """TIIF judge: ``fn(completions, images=[...], yn_question_list=[[q, ...]], yn_answer_list=[["yes", ...]])``.
 
     One request per image asks all of its questions; the reward is the fraction answered as in
-    ``yn_answer_list``. Rows without questions or without an image get None.
+    ``yn_answer_list``. Rows without questions or without an image, and replies with no readable answer, get None.
     """
-    client = _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff)
+    client = _client(base_url, model, api_key, timeout, max_retries, max_concurrency, max_tokens, backoff, deadline,
+                     allow_insecure_api_key)
     return RewardFunction("judge_tiif", _judge_tiif, client=client, prompt_template=prompt_template)
 
 

@@ -35,11 +35,14 @@ def unifiedreward_reward(base_url: str = DEFAULT_JUDGE_URL, model: str = UNIFIED
                          api_key: str | None = None, timeout: float = 60.0, max_retries: int = 3,
                          max_concurrency: int = 8, max_tokens: int = 512, backoff: float = 0.5,
                          prompt_template: str = UNIFIEDREWARD_PROMPT, image_size: int | None = 512,
-                         prompt_column: str = "prompt"):
+                         prompt_column: str = "prompt", deadline: float | None = None,
+                         allow_insecure_api_key: bool = False):
     """``fn(completions, images=[PIL, ...], prompt=[...]) -> [s / 5 or None]``; images are resized to
-    ``image_size`` squared before they are sent (Flow-GRPO: 512; none: as drawn)."""
+    ``image_size`` squared before they are sent (Flow-GRPO: 512; none: as drawn). The request options as the
+    judges' (`rewards.judge.JudgeClient`)."""
     client = JudgeClient(base_url, model, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         max_concurrency=max_concurrency, max_tokens=max_tokens, backoff=backoff)
+                         max_concurrency=max_concurrency, max_tokens=max_tokens, backoff=backoff, deadline=deadline,
+                         allow_insecure_api_key=allow_insecure_api_key)
     return RewardFunction("unifiedreward", _unifiedreward, client=client, prompt_template=prompt_template,
                           image_size=image_size, prompt_column=prompt_column)
 

@@ -32,3 +32,11 @@ def none_on_odd(completions, **columns):
 def constant_on_even_prompts(completions, id, **columns):
     """1.0 for every completion of an even-numbered prompt (a group without spread), length on odd ones."""
     return [1.0 if int(i.rsplit("-", 1)[1]) % 2 == 0 else completion_length([c])[0] for i, c in zip(id, completions)]
+
+
+def inf_once(completions, trainer_state=None, **columns):
+    """Length, except +inf for the first completion of the first step: a user's reward that overflows once."""
+    values = completion_length(completions)
+    if trainer_state is not None and trainer_state.global_step == 0:
+        values[0] = float("inf")
+    return values

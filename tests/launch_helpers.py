@@ -73,9 +73,10 @@ def finish(proc, timeout=900, what=""):
     return out
 
 
-def sigkill_when(proc, ready, timeout=600, poll=0.05):
-    """SIGKILL the launched run (its whole session) as soon as `ready` holds: a path that exists, or a function
-    that returns True. Fails if the run ended first."""
+def sigkill_when(proc, ready, timeout=600, poll=0.05, whole_session=True):
+    """SIGKILL the launched run (its whole session; with `whole_session=False` the launched process alone, as
+    `kill -9 <pid>` does) as soon as `ready` holds: a path that exists, or a function that returns True. Fails if
+    the run ended first."""
     done = ready if callable(ready) else lambda: os.path.exists(ready)
     deadline = time.time() + timeout
     while not done():
@@ -84,7 +85,10 @@ def sigkill_when(proc, ready, timeout=600, poll=0.05):
                                  f"{proc.stdout.read()[-3000:]}")
         assert time.time() < deadline, f"{ready} did not happen within {timeout} s"
         time.sleep(poll)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the run really stops here
+    if whole_session:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the run really stops here
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.returncode
     time.sleep(1.0)  # nothing may still be writing into the folder

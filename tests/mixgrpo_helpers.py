@@ -7,3 +7,8 @@ import numpy as np
 def brightness(completions, images=None, **columns):
     """Mean pixel value in [0, 1] of each image."""
     return [float(np.asarray(im.convert("RGB"), dtype=np.float64).mean() / 255.0) for im in images]
+
+
+def no_score(completions, images=None, **columns):
+    """A judge that answers with no verdict: no image gets a score."""
+    return [None for _ in images]

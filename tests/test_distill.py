@@ -352,3 +352,19 @@ def test_max_kept_stops_at_exactly_that_many_rows(distill_world, reasoner_server
                                 max_kept=3))
     kept = read_records(str(tmp_path / "out" / "sft.jsonl"))
     assert summary["kept"] == len(kept) == 3 and summary["questions"] < len(rows)
+
+
+def test_ids_whose_image_files_would_collide_are_refused_naming_both_rows(tmp_path):
+    """'q 1' and 'q_1' both sanitise to the file name 'q_1': the second row would silently get the first row's
+    image. Refused before any request, naming both rows."""
+    from tiny.shapes import make_shapes_vqa
+
+    rows = make_shapes_vqa(3, seed=0)
+    rows = rows.remove_columns("id").add_column("id", ["q 1", "q-2", "q_1"])
+    rows.save_to_disk(str(tmp_path / "data"))
+    cfg = DistillConfig(dataset=str(tmp_path / "data"), caption_column=None, captioner_base_url="http://127.0.0.1:9/v1",
+                        captioner_model="m", reasoner_base_url="http://127.0.0.1:9/v1", output_dir=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match=r"rows 0 and 2 have ids 'q 1' and 'q_1', whose image files would both be "
+                                         r"named 'q_1'"):
+        distill_main(cfg)
+    assert not (tmp_path / "o" / "sft.jsonl").exists()

@@ -3,8 +3,11 @@ two-cycle run on tiny models that is SIGKILLed mid-stage and resumed."""
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -13,8 +16,14 @@ import iterate
 from iterate import IterateConfig, Runner, mix_sft_sets, stage_recipe, write_recipe
 from tests.launch_helpers import finish, launch_python, sigkill_when
 from utils.core.config import ConfigError, parse_config
+from utils.core.launch import _start_time, stage_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def stage_token(pid):
+    """The variable iterate.py (pid) gives its stages (utils.core.launch.stage_parent_env)."""
+    return f"{pid}:{_start_time(pid)}"
 
 
 def _rows(folder, prefix, n):
@@ -88,7 +97,8 @@ def test_a_second_runner_on_a_busy_folder_stops_before_writing_anything(tmp_path
     holder = subprocess.Popen([sys.executable, "-c", code, folder], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(SystemExit, match=rf"run/.lock: .*run is in use by another run \(pid {holder.pid}\)"):
+        with pytest.raises(SystemExit, match=rf"run/.lock: .*run is in use by another iterate run \(pid {holder.pid} "
+                                             rf"on host {re.escape(socket.gethostname())}\)"):
             iterate.main(IterateConfig(output_dir=folder, distill={"reasoner_base_url": "http://127.0.0.1:9/v1"}))
         assert os.listdir(folder) == [".lock"]  # no config.yaml written over the first run's
     finally:
@@ -96,7 +106,8 @@ def test_a_second_runner_on_a_busy_folder_stops_before_writing_anything(tmp_path
         holder.wait()
     runner = Runner(IterateConfig())
     runner.hold(folder)
-    assert open(os.path.join(folder, ".lock")).read().strip() == str(os.getpid())
+    assert open(os.path.join(folder, ".lock")).read().split() == [str(os.getpid()), socket.gethostname()]
+    runner.release()
 
 
 def test_a_stage_runs_where_iterate_was_started(tmp_path, monkeypatch):
@@ -210,8 +221,15 @@ def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp
     def launch():
         return launch_python("iterate.py", ["--config", str(recipe)])
 
-    # SIGKILL iterate, the stage's launcher and its worker, mid-SFT
-    sigkill_when(launch(), run / "cycle-1" / "sft" / "checkpoint-2", timeout=900, poll=0.1)
+    # SIGKILL iterate.py alone (kill -9 <its pid>) mid-SFT: its stage's whole process tree (the launcher, torchrun's
+    # agent, the workers, each in a session of its own) ends within seconds, and nothing writes the folder after
+    iterate_run = launch()
+    stage = stage_token(iterate_run.pid)
+    sigkill_when(iterate_run, run / "cycle-1" / "sft" / "checkpoint-2", timeout=900, poll=0.1, whole_session=False)
+    deadline = time.time() + 10
+    while stage_processes(stage) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not stage_processes(stage), f"stage processes outlived iterate.py: {stage_processes(stage)}"
     assert not (run / "cycle-1" / "sft" / "stage.json").exists(), "the kill came after the stage had finished"
     finished = {p: (p.read_text(), p.stat().st_mtime) for p in (run / "eval-base" / "stage.json",
                                                                 run / "cycle-1" / "data" / "stage.json")}
@@ -233,3 +251,12 @@ def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp
     assert base == yaml.safe_load(recipe.read_text())["base_model"]
     hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
     assert hard["model_name_or_path"].startswith(str(run / "cycle-1" / "grpo-medium" / "checkpoint-"))
+
+
+def test_a_stage_flag_holding_a_secret_is_refused_before_its_recipe_is_written(tmp_path):
+    import evaluate
+
+    path = tmp_path / "eval-base" / "recipe.yaml"
+    with pytest.raises(ConfigError, match=r"flag 'api_key' holds a secret in clear.*environment"):
+        write_recipe({"api_key": "sk-live-0123456789", "model": "m"}, str(path), evaluate.EvalConfig)
+    assert not path.exists() and not (tmp_path / "eval-base" / "recipe.yaml.tmp").exists()

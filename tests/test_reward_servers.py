@@ -411,3 +411,149 @@ def test_accuracy_llm_grader_that_fails_is_reported_not_string_matched(serve):
     up = serve(verdict)
     ok = get_reward("accuracy", use_llm_grader=True, llm_model="judge", base_url=up.url + "/v1")
     assert ok([answer], answer=gold, question=["What colour is the sky?"]) == [pytest.approx(0.9)]
+
+
+# --- deadlines, retries and keys on every HTTP call (utils/core/http.py) --------------------------------------------
+
+
+class Trickle:
+    """A server that answers 200 at once, then sends its body one byte every `gap` seconds: every socket read
+    succeeds, so a per-read timeout never fires."""
+
+    def __init__(self, gap=0.1, size=10_000):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.gap, self.size, self.stop = gap, size, threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        try:
+            conn.recv(65536)
+            conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {self.size}\r\n\r\n".encode())
+            for _ in range(self.size):
+                if self.stop.is_set():
+                    break
+                conn.sendall(b" ")
+                time.sleep(self.gap)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_server_trickling_bytes_cannot_stall_a_call_past_its_bounds():
+    from utils.core.http import HTTPTimeout, post
+
+    server = Trickle()
+    try:
+        start = time.monotonic()
+        with pytest.raises(JudgeError, match=r"failed after 2 attempts \(timeout=0.5s\).*no whole reply"):
+            JudgeClient(server.url + "/v1", "m", timeout=0.5, max_retries=1, backoff=0.01).chat("hi")
+        assert time.monotonic() - start < 2.5  # two attempts of 0.5 s, not the 1000 s the bytes would take
+        start = time.monotonic()
+        with pytest.raises(HTTPTimeout, match="within the deadline of 0.8s"):
+            post(server.url, what="server", data=b"x", timeout=0.5, max_retries=5, backoff=0.2, deadline=0.8)
+        assert time.monotonic() - start < 1.6
+        with pytest.raises(RewardServerError, match="sent no reply within timeout=0.3s"):
+            GenEvalClient(server.url, timeout=0.3).score([_image("red")], _meta([1]))
+    finally:
+        server.close()
+
+
+def test_an_api_key_goes_only_over_https_or_to_this_machine(serve, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"http://10.1.2.3:8000/v1/chat/completions: refusing to send an API key "
+                                         r"over plain http.*--allow_insecure_api_key"):
+        JudgeClient("http://10.1.2.3:8000/v1", "m", api_key="sk-1")
+    JudgeClient("https://judge.example/v1", "m", api_key="sk-1")
+    JudgeClient("http://10.1.2.3:8000/v1", "m")  # no key ("EMPTY", vLLM's default): nothing to leak
+    JudgeClient("http://10.1.2.3:8000/v1", "m", api_key="sk-1", allow_insecure_api_key=True)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")  # a key from the environment counts too
+    with pytest.raises(ValueError, match="refusing"):
+        get_reward("judge_tiif", base_url="http://judge.lan/v1", model="m")
+    server = serve(lambda attempt, path, body: _chat_reply('{"correct": 1}'))
+    assert JudgeClient(server.url + "/v1", "m").chat("hi") == '{"correct": 1}'  # loopback: fine
+    assert server.requests[0][2]["Authorization"] == "Bearer sk-env"
+    import evaluate
+    import train_mixgrpo
+    from utils.core.config import ConfigError
+    from utils.core.reward_calls import build_image_reward
+
+    with pytest.raises(ConfigError, match="--reward_fn judge_tiif: .*refusing"):
+        build_image_reward(train_mixgrpo.MixGRPOConfig(reward_fn="judge_tiif", dataset_name="tiif",
+                                                       reward_server_urls="http://judge.lan"))
+    assert build_image_reward(train_mixgrpo.MixGRPOConfig(reward_fn="judge_tiif", dataset_name="tiif",
+                                                          reward_server_urls="http://judge.lan",
+                                                          allow_insecure_api_key=True)) is not None
+    with pytest.raises(ConfigError, match="--allow_insecure_api_key applies to the judge rewards"):
+        train_mixgrpo.validate(train_mixgrpo.MixGRPOConfig(allow_insecure_api_key=True, policy_group_size=1), 1)
+    assert evaluate.EvalConfig(allow_insecure_api_key=True).allow_insecure_api_key
+
+
+def test_served_evaluation_retries_a_5xx_and_a_reset(serve):
+    from utils.eval.heldout import generate_answers_remote
+
+    def respond(attempt, path, body):
+        if attempt == 1:
+            return 502, b"bad gateway"
+        return _chat_reply("<answer>4</answer>")
+
+    server = serve(respond)
+    rows = [{"id": "r0", "question": "2 + 2?", "image": _image("red"), "answer": "4"}]
+    assert generate_answers_remote(server.url + "/v1", "m", rows, prompt_template="plain", timeout=5.0,
+                                   backoff=0.01) == ["<answer>4</answer>"]
+    assert len(server.requests) == 2
+    down = serve(lambda attempt, path, body: (503, b"down"))
+    with pytest.raises(RuntimeError, match=r"--base_url: row 'r0': judge .* failed after 2 attempts"):
+        generate_answers_remote(down.url + "/v1", "m", rows, prompt_template="plain", timeout=5.0, max_retries=1,
+                                backoff=0.01)
+
+
+def test_mixgrpo_image_rewards_are_held_to_grpos_rules():
+    from types import SimpleNamespace
+
+    from rewards.judge import tiif_score
+    from utils.core.reward_calls import score_images
+
+    cfg = SimpleNamespace(reward_fn="mine:score")
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    images = [_image("red"), _image("blue")]
+    with pytest.raises(ValueError, match=r"reward 'mine:score' returned 1 rewards for 2 images"):
+        score_images(cfg, lambda texts, images, **c: [1.0], ["t", "t"], images, rows)  # no silent broadcast
+    with pytest.raises(ValueError, match=r"reward 'mine:score' returned 3 rewards for 2 images"):
+        score_images(cfg, lambda texts, images, **c: [1.0, 0.0, 1.0], ["t", "t"], images, rows)
+    scores = score_images(cfg, lambda texts, images, **c: [float("inf"), None], ["t", "t"], images, rows)
+    assert scores.isnan().all()  # inf is unscored, as None: never trained on
+    assert tiif_score("I cannot tell.", ["yes", "no"]) is None  # no answer read: no score, not 0.0
+    assert tiif_score('{"answers": ["yes", "maybe"]}', ["yes", "no"]) == 0.5
+
+
+def test_evaluate_and_distill_refuse_a_key_over_plain_http_before_anything_loads(monkeypatch):
+    import distill
+    import evaluate
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="--base_url: http://10.0.0.9:8000/v1.*refusing"):
+        evaluate.validate(evaluate.EvalConfig(base_url="http://10.0.0.9:8000/v1", served_model_name="m",
+                                              api_key="sk-1"))
+    evaluate.validate(evaluate.EvalConfig(base_url="http://10.0.0.9:8000/v1", served_model_name="m",
+                                          api_key="sk-1", allow_insecure_api_key=True))
+    with pytest.raises(ValueError, match="--reasoner_base_url: .*refusing"):
+        distill.validate(distill.DistillConfig(reasoner_base_url="http://judge.lan/v1", api_key="sk-1"))
+    distill.validate(distill.DistillConfig(reasoner_base_url="https://judge.lan/v1", api_key="sk-1"))

@@ -72,6 +72,10 @@ class RunConfig:  # the flags the skeleton reads
     resume_from_checkpoint: Optional[str] = None
     push_to_hub: bool = False
     hub_model_id: Optional[str] = None
+    hub_private_repo: bool = False
+    overwrite_output_dir: bool = False
+    ddp_timeout: int = 1800
+    max_skipped_steps: int = 3
 
 
 def config(out, **overrides):

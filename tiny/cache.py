@@ -204,8 +204,9 @@ def _trained(name, recipe, spec, args=()):
         return installed[0]
     args = args() if callable(args) else args
     print(f"{name}: training with train_sft.py into {out} (once; cached afterwards)", flush=True)
+    # a build killed before its marker was written starts over (the folder's half run is deleted, not mixed in)
     subprocess.run([sys.executable, os.path.join(REPO, "train_sft.py"), "--config", recipe, "--output_dir", out,
-                    *args], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
+                    "--overwrite_output_dir", *args], check=True, env={**os.environ, "ACCELERATE_USE_CPU": "false"})
     path = latest_checkpoint(out)
     with open(os.path.join(out, "train_summary.json")) as f:
         summary = json.load(f)

@@ -13,9 +13,12 @@ Layout of ``output_dir/checkpoint-N/``:
 The HF copy and `training_state/` both hold weights on purpose: under ZeRO-3 the first is the gathered 16-bit
 model and the second the sharded fp32 master weights that an exact resume needs.
 
-Everything is first written to ``output_dir/.tmp-checkpoint-N`` and renamed to ``checkpoint-N`` by the main process
-once every rank has finished, so a crash mid-save never leaves a half checkpoint that `latest_checkpoint` would
-pick. The output dir must be on a file system shared by all ranks (as accelerate itself assumes).
+Everything is first written to ``output_dir/.tmp-checkpoint-N``, flushed to disk (fsync) and renamed to
+``checkpoint-N`` by the main process once every rank has finished, so neither a crash mid-save nor a power loss just
+after it leaves a half checkpoint that `latest_checkpoint` would pick. The output dir must be on a file system shared
+by all ranks (as accelerate itself assumes). `training_state/manifest.json` holds the sha256 of every pickled file,
+and resume checks it and what each file may hold before loading any (utils/core/checkpoint_files.py); a checkpoint
+is never written from NaN or infinite weights.
 
 Data position: `save_state` does not know where a hand-written loop is in its data, so scripts keep a
 `utils.core.samplers.SeededSampler` and store `sampler.state_dict()` in `extra_state` (or register the sampler with
@@ -32,6 +35,9 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from utils.core.checkpoint_files import fsync_dir, fsync_tree, verify_training_state, write_manifest
+from utils.core.guards import RunStopped
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -127,16 +133,43 @@ def _find_pretrained(module) -> tuple[str, object | None]:
     return "", None
 
 
+def non_finite_weight(state_dict) -> str | None:
+    """The name of the first floating tensor of `state_dict` that holds a NaN or an infinity, or None."""
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            return name
+    return None
+
+
+class NonFiniteWeightsError(RunStopped):
+    """A checkpoint was asked for while a weight is NaN or infinite: none is written."""
+
+
 def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None, extra_state: dict | None = None,
                     save_total_limit: int | None = None, extra_saves: dict | None = None) -> str:
     """Save a resumable + HF-loadable checkpoint. Call on every rank (DeepSpeed's save and ZeRO-3's gather are
     collective). `extra_saves` ({subfolder: fn(folder)}, run on the main process) adds other loadable parts, e.g.
-    a second model's adapter, inside the same atomic folder. Returns the path of `checkpoint-{step}`."""
+    a second model's adapter, inside the same atomic folder. Returns the path of `checkpoint-{step}`.
+
+    Refused (NonFiniteWeightsError on every rank, nothing written) when a weight is NaN or infinite. Every file is
+    flushed to disk (fsync) before the rename, and `training_state/manifest.json` records the sha256 of each
+    pickled file, which resume checks (utils/core/checkpoint_files.py)."""
     if save_total_limit is not None and save_total_limit < 1:  # fail before an expensive save, not after
         raise ValueError(f"save_total_limit must be >= 1 or None, got {save_total_limit}")
     output_dir = Path(output_dir)
     final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
     tmp = output_dir / f"{TMP_PREFIX}{step}"
+    # get_state_dict gathers ZeRO-3 shards (collective), so every rank calls it; only the main process checks and
+    # writes
+    state_dict = accelerator.get_state_dict(model)
+    bad = non_finite_weight(state_dict) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        bad = broadcast_object_list([bad])[0]
+    if bad is not None:
+        raise NonFiniteWeightsError(f"step {step}: weight {bad!r} is not finite (NaN or inf): no checkpoint is "
+                                    f"written from it (the last good one in {output_dir} stays)")
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         for leftover in output_dir.glob(f"{TMP_PREFIX}*"):  # a crashed save from an earlier run
@@ -145,8 +178,6 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
     accelerator.wait_for_everyone()
 
     accelerator.save_state(str(tmp / TRAINING_STATE_DIR))
-    # get_state_dict gathers ZeRO-3 shards (collective), so every rank calls it; only the main process writes
-    state_dict = accelerator.get_state_dict(model)
     prefix, pretrained = _find_pretrained(accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         if pretrained is not None:
@@ -157,13 +188,15 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
             processor.save_pretrained(str(tmp))
         for name, save in (extra_saves or {}).items():
             save(str(tmp / name))
+    del state_dict
+    accelerator.wait_for_everyone()
+    write_manifest(accelerator, tmp)  # every rank flushes and hashes its share of the files
+
+    if accelerator.is_main_process:
         state = {"global_step": step, **_json_safe(extra_state or {})}
         # trainer_state.json last: its presence marks the folder complete
         (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
-    del state_dict
-    accelerator.wait_for_everyone()
-
-    if accelerator.is_main_process:
+        fsync_tree(tmp, [tmp / TRAINER_STATE_NAME])
         if final.exists():  # re-saving the same step (e.g. after a resume): swap, then drop the old one
             old = output_dir / f"{TMP_PREFIX}{step}.old"
             os.replace(final, old)
@@ -171,6 +204,7 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
             _rmtree(old)
         else:
             os.replace(tmp, final)
+        fsync_dir(output_dir)  # the rename itself on disk
         if save_total_limit is not None:
             prune_checkpoints(output_dir, save_total_limit, keep=final)
     accelerator.wait_for_everyone()
@@ -179,7 +213,9 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
 
 def load_checkpoint(accelerator, path) -> dict:
     """Restore model/optimizer/scheduler/RNG (+ registered objects) into the prepared objects of `accelerator`
-    and return the `extra_state` that was saved with the checkpoint (incl. "global_step")."""
+    and return the `extra_state` that was saved with the checkpoint (incl. "global_step"). Nothing in the
+    checkpoint runs: its pickled files are checked first (utils/core/checkpoint_files.py), a refusal names the file."""
     path = _checked_checkpoint(path, "load_checkpoint")
+    verify_training_state(accelerator, path / TRAINING_STATE_DIR)
     accelerator.load_state(str(path / TRAINING_STATE_DIR))
     return json.loads((path / TRAINER_STATE_NAME).read_text(encoding="utf-8"))

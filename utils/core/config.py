@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from utils.core.secrets import recipe_without_secrets, redact
 from utils.core.trl_flags import add_foreign_flags, comma_list, foreign_reference, take_foreign
 
 _NONE_WORDS = {"none", "null"}
@@ -263,7 +264,7 @@ def load_yaml_recipe(config_cls, path: str | Path) -> dict:
     specs = _specs(config_cls)
     values = {}
     values.update(take_foreign(config_cls, specs, data, f"{path}: key", _convert, ConfigError))  # TRL's keys
-    for key, value in data.items():
+    for key, value in recipe_without_secrets(data, path, ConfigError).items():  # utils/core/secrets.py
         if key not in specs:
             hint = difflib.get_close_matches(str(key), list(specs), n=1)
             extra = f" (did you mean {hint[0]!r}?)" if hint else ""
@@ -310,8 +311,8 @@ def _plain(value):
 
 
 def config_to_dict(cfg) -> dict:
-    """Plain (YAML/JSON-safe) dict of a config, in field order, for trackers, model cards and save_config."""
-    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    """Plain (YAML/JSON-safe) dict of a config, in field order, for trackers, model cards and save_config (redacted)."""
+    return redact({f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
 
 
 def save_config(cfg, path: str | Path) -> Path:

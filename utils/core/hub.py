@@ -1,9 +1,13 @@
 """Push checkpoints to the Hugging Face Hub without stalling training.
 
-`HubUploader.push` copies what belongs on the hub (weights, config, processor files; not the optimizer, RNG or
-accelerate state) into a private staging folder right away, so the run may go on writing and pruning its
-checkpoints, and uploads that folder from a background thread. Upload errors are logged when they happen and
-reported by `wait()` at the end of training. Create and use the uploader on the main process only.
+`HubUploader.push` links what belongs on the hub (weights, config, processor files; not the optimizer, RNG or
+accelerate state) into a staging folder right away, so the run may go on writing and pruning its checkpoints, and
+uploads that folder from a background thread. The train scripts stage inside their output folder
+(`<output_dir>/.hub-staging/`): on the checkpoints' file system a hard link costs no copy, where a staging folder in
+/tmp on another file system would copy the whole model. The repository is created private with `private=True`
+(--hub_private_repo); the model card's recipe has its secrets redacted (utils/core/secrets.py). Upload errors are
+logged when they happen and reported by `wait()` at the end of training. Create and use the uploader on the main
+process only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pathlib import Path
 
 import yaml
 from huggingface_hub import HfApi
+
+from utils.core.secrets import redact
 
 logger = pylogging.getLogger(__name__)
 
@@ -85,7 +91,7 @@ def write_model_card(folder, *, base_model: str | list | None, recipe: dict | No
     trained = f"Trained with mmgrpo's `{script_name}`" if script_name else "Trained with mmgrpo"
     lines += [f"{trained}" + (", starting from " + ", ".join(f"`{b}`" for b in bases) + "." if bases else "."), ""]
     if recipe:
-        lines += ["## Recipe", "", "```yaml", yaml.safe_dump(recipe, sort_keys=False).strip(), "```", ""]
+        lines += ["## Recipe", "", "```yaml", yaml.safe_dump(redact(recipe), sort_keys=False).strip(), "```", ""]
     if metrics:
         lines += ["## Final metrics", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {name} | {_metric_cell(value)} |" for name, value in metrics.items()]
@@ -125,10 +131,16 @@ def stage_for_hub(checkpoint_dir, staging_dir, *, recipe: dict | None = None, me
     return str(staging_dir)
 
 
+STAGING_DIR = ".hub-staging"
+
+
 class HubUploader:
-    def __init__(self, repo_id: str, *, token: str | None = None, private: bool = False):
+    def __init__(self, repo_id: str, *, token: str | None = None, private: bool = False, staging_root=None):
+        """`staging_root`: the folder whose `.hub-staging/` holds the staged pushes (the run's output folder);
+        None: the system's temporary folder."""
         self.repo_id = repo_id
         self.private = private
+        self.staging_root = os.path.join(staging_root, STAGING_DIR) if staging_root is not None else None
         self.api = HfApi(token=token)
         # one worker: pushes land on the hub in the order they were made
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-upload")
@@ -141,7 +153,9 @@ class HubUploader:
         the keyword arguments; `parts` and `notes` as in `stage_for_hub`. The Future resolves to the upload's
         commit info or holds its error."""
         card = dict(card or {})
-        staging = Path(tempfile.mkdtemp(prefix="mmgrpo-hub-"))
+        if self.staging_root is not None:
+            os.makedirs(self.staging_root, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="mmgrpo-hub-", dir=self.staging_root))
         try:
             stage_for_hub(checkpoint_dir, staging, recipe=recipe if recipe is not None else card.get("recipe"),
                           metrics=metrics if metrics is not None else card.get("metrics"),

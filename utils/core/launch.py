@@ -72,8 +72,9 @@ def relaunch_multi_cpu_if_needed():
     os.execv(sys.executable, cmd)
 
 
-def accelerator_device_kwargs():
-    """The device arguments of a train script's `Accelerator(...)`.
+def accelerator_device_kwargs(ddp_timeout=None):
+    """The device and process-group arguments of a train script's `Accelerator(...)`; `ddp_timeout` (seconds, HF's
+    flag): how long a collective waits for the other processes before the run fails (None: torch's default).
 
     With a GPU: none. Without one: `cpu=True`, because accelerate's torchrun launcher does not pass
     `use_cpu` on to the workers. Except under a DeepSpeed config (`ACCELERATE_USE_DEEPSPEED=true`, which needs
@@ -83,19 +84,21 @@ def accelerator_device_kwargs():
     DeepSpeed has just formed its gloo group of N. Naming gloo (`InitProcessGroupKwargs(backend="gloo")`)
     makes the state count the group's processes.
     """
-    import torch
+    from datetime import timedelta
 
+    import torch
+    from accelerate.utils import InitProcessGroupKwargs
+
+    group = {} if ddp_timeout is None else {"timeout": timedelta(seconds=ddp_timeout)}
     if torch.cuda.is_available():
-        return {}
+        return {"kwargs_handlers": [InitProcessGroupKwargs(**group)]} if group else {}
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return {"cpu": True}
+        return {"cpu": True, **({"kwargs_handlers": [InitProcessGroupKwargs(**group)]} if group else {})}
     if os.environ.get("DS_ACCELERATOR", "").lower() != "cpu":
         raise ConfigError("a DeepSpeed accelerate config without a GPU needs DS_ACCELERATOR=cpu in the environment "
                           "(DeepSpeed picks its device at import), or a non-DeepSpeed config such as "
                           "accelerate_configs/cpu.yaml")
-    from accelerate.utils import InitProcessGroupKwargs
-
-    return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo", **group)]}
 
 
 def set_cpu_threads(requested=None):
@@ -117,3 +120,80 @@ def set_cpu_threads(requested=None):
         raise ConfigError(f"--cpu_threads {requested}: must be at least 1")
     torch.set_num_threads(requested)
     return requested
+
+
+# ---- stages of iterate.py: no process outlives the runner that started it ----
+
+STAGE_PARENT_ENV = "MMGRPO_STAGE_PARENT"  # "<pid>:<start time>" of the iterate.py that started this stage
+
+
+def _start_time(pid):
+    """The kernel's start time of process `pid` (Linux), "" elsewhere, None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+
+
+def stage_parent_env():
+    """The environment entry iterate.py gives every stage: itself, as `watch_stage_parent` recognises it."""
+    return {STAGE_PARENT_ENV: f"{os.getpid()}:{_start_time(os.getpid()) or ''}"}
+
+
+def stage_processes(token):
+    """Pids of every process of this user whose environment carries `STAGE_PARENT_ENV=token` (Linux)."""
+    entry = f"{STAGE_PARENT_ENV}={token}".encode()
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if entry in f.read().split(b"\0"):
+                        found.append(int(name))
+            except OSError:  # gone, or another user's
+                pass
+    return found
+
+
+def watch_stage_parent(poll=0.5):
+    """In a script started as a stage of iterate.py (STAGE_PARENT_ENV set): a daemon thread that, within `poll`
+    seconds of that iterate.py's end, however it ended (SIGKILL included), SIGKILLs every process of the stage: the
+    launcher, torchrun's agent, each worker, servers they started (all carry the variable), then this one. A stage
+    killed mid-run loses nothing a rerun needs: checkpoints are atomic and the rerun resumes from the last one.
+    Elsewhere a no-op."""
+    token = os.environ.get(STAGE_PARENT_ENV)
+    if not token or ":" not in token:
+        return None
+    import signal
+    import threading
+    import time
+
+    pid, start = token.split(":", 1)
+
+    def parent_alive():
+        now = _start_time(int(pid))
+        return now is not None and (not start or not now or now == start)
+
+    def watch():
+        while parent_alive():
+            time.sleep(poll)
+        for other in stage_processes(token):
+            if other != os.getpid():
+                try:
+                    os.kill(other, signal.SIGKILL)
+                except OSError:
+                    pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="stage-parent-watch", daemon=True)
+    thread.start()
+    return thread

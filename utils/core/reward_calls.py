@@ -12,6 +12,9 @@ the completion as assistant messages (`[{"role": "assistant", "content": text}]`
 adds a column to the logged completions and `log_metric(name, value)` a number to the step's metrics.
 A reward returns one float or None ("does not apply") per completion.
 
+A value that is not finite (inf, -inf, NaN) counts as None, unscorable: an advantage of inf would make every
+advantage of its group NaN and the step's loss with them.
+
 `check_reward_call` reads a reward's signature against those keywords and the data set's columns, so a
 reward that needs a column the data lacks, or cannot take TRL's keywords, fails before any model loads.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 
 import torch
 
@@ -90,30 +94,51 @@ class RewardLog:
         return {name: sum(v) / len(v) for name, v in self.metrics.items() if v}
 
 
+def reward_values(values, n, name, what="completions") -> tuple[torch.Tensor, int]:
+    """A reward's return for `n` `what` as float32 [n]: NaN where it returned None or a non-finite number (unscorable:
+    left out of its group and counted, never trained on). Returns (values, how many were +-inf or NaN). Refused,
+    naming the reward: anything but one number or None per item."""
+    values = list(values) if values is not None and not isinstance(values, (str, bytes)) else None
+    if values is None or len(values) != n:
+        got = "None" if values is None else f"{len(values)} rewards"
+        raise ValueError(f"reward {name!r} returned {got} for {n} {what}; it must return one float or None per "
+                         f"{what.rstrip('s')}")
+    out, bad = torch.full((n,), float("nan")), 0
+    for k, value in enumerate(values):
+        if value is None:
+            continue
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward {name!r} returned {value!r} for {what.rstrip('s')} {k}; expected a number or "
+                             "None") from None
+        if math.isfinite(value):
+            out[k] = value
+        else:
+            bad += 1
+    if bad and name not in _WARNED:
+        _WARNED.add(name)
+        print(f"reward {name!r} returned {bad} non-finite value(s) (inf or NaN): treated as unscorable, left out of "
+              "their groups and counted (this notice once per reward)", file=sys.stderr, flush=True)
+    return out, bad
+
+
+_WARNED: set = set()
+
+
 def call_rewards(reward_fns, names, *, prompts, completions, completion_ids, columns, trainer_state=None,
                  log=None):
-    """Rewards [completions, reward functions] (float32), NaN where a function returned None."""
+    """Rewards [completions, reward functions] (float32), NaN where a function returned None, inf or NaN (each
+    function's count of +-inf goes to the step's metrics as `rewards/<name>/non_finite` when there is one)."""
     n = len(completions)
     log = log if log is not None else RewardLog()
     rewards = torch.full((n, len(reward_fns)), float("nan"))
     for j, (fn, name) in enumerate(zip(reward_fns, names)):
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
                     trainer_state=trainer_state, log_extra=log.log_extra, log_metric=log.log_metric)
-        values = list(values) if values is not None else None
-        if values is None or len(values) != n:
-            got = "None" if values is None else f"{len(values)} rewards"
-            raise ValueError(f"reward {name!r} returned {got} for {n} completions; it must return one float or "
-                             "None per completion")
-        for k, value in enumerate(values):
-            if value is None:
-                continue
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"reward {name!r} returned {value!r} for completion {k}; expected a number or "
-                                 "None") from None
-            if not math.isnan(value):
-                rewards[k, j] = value
+        rewards[:, j], bad = reward_values(values, n, name)
+        if bad:
+            log.log_metric(f"rewards/{name}/non_finite", bad)
     return rewards
 
 
@@ -132,13 +157,18 @@ def build_image_reward(cfg):
         endpoint = server_endpoints(cfg.reward_server_urls, cfg.reward_server_port)
         endpoint = endpoint[process_rank() % len(endpoint)].rstrip("/")
         options.setdefault("base_url", endpoint if endpoint.endswith("/v1") else endpoint + "/v1")
-    return get_reward(cfg.reward_fn, **options)
+    if cfg.allow_insecure_api_key:  # a judge's (train_mixgrpo.py refuses it for any other reward)
+        options.setdefault("allow_insecure_api_key", True)
+    try:
+        return get_reward(cfg.reward_fn, **options)
+    except ValueError as error:  # a bad option, or an API key that would travel in clear: before any model loads
+        raise ConfigError(f"--reward_fn {cfg.reward_fn}: {error}") from None
 
 
 def score_images(cfg, reward_fn, texts, images, rows):
-    """The image reward per image, every metadata column of the rows passed through. An image the reward gives no
-    score (None: e.g. a judge reply with no verdict) is NaN: left out of its group's mean and advantage (0) and
-    counted (`unscored`), never scored 0; a reward that fails raises."""
+    """The image reward per image, every metadata column of the rows passed through: held to GRPO's rules
+    (`reward_values`). An image the reward gives no score (None: e.g. a judge reply with no verdict; or inf / NaN)
+    is NaN: left out of its group's mean and advantage (0) and counted (`unscored`), never scored 0; a reward that
+    fails, or returns another number of scores than images, raises naming it."""
     columns = {key: [r.get(key) for r in rows] for key in sorted({k for r in rows for k in r})}
-    scores = reward_fn(texts, images=images, **columns)
-    return torch.tensor([float("nan") if s is None else float(s) for s in scores], dtype=torch.float32)
+    return reward_values(reward_fn(texts, images=images, **columns), len(images), cfg.reward_fn, "images")[0]

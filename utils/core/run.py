@@ -29,23 +29,60 @@ from utils.core.fsdp import fsdp_layer_classes, init_adamw_state
 from utils.core.hub import HubUploader
 from utils.core.launch import accelerator_device_kwargs, set_cpu_threads
 from utils.core.optim import build_optimizer
+from utils.core.output_dir import claim_output_dir, is_fresh, release
 from utils.core.precision import check_update_precision, deepspeed_master_weights
 from utils.core.tracking import METRICS_FILE, RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
 
 
 def make_accelerator(cfg, *, gradient_accumulation_steps=1, mixed_precision="no", find_unused_parameters=False):
-    """The run's Accelerator, logging to the trackers of --report_to under --output_dir.
+    """The run's Accelerator, logging to the trackers of --report_to under --output_dir, its collectives timing out
+    after --ddp_timeout seconds; then the run's claim on --output_dir (utils/core/output_dir.py: its lock, and no
+    fresh run beside another run's files), before anything loads.
 
     Without a GPU: cpu=True, except under a DeepSpeed config (DS_ACCELERATOR=cpu); `accelerate launch --cpu` does
     not pass it on to the workers (utils.core.launch.accelerator_device_kwargs says why). `find_unused_parameters`: DDP
     allows parameters that get no gradient in a step (a part of the model a step does not use)."""
-    kwargs = accelerator_device_kwargs()
+    check_run_flags(cfg)
+    kwargs = accelerator_device_kwargs(ddp_timeout=cfg.ddp_timeout)
     if find_unused_parameters:
         kwargs["kwargs_handlers"] = kwargs.get("kwargs_handlers", []) + [
             DistributedDataParallelKwargs(find_unused_parameters=True)]
-    return Accelerator(**kwargs, gradient_accumulation_steps=gradient_accumulation_steps,
-                       mixed_precision=mixed_precision, log_with=tracker_list(cfg.report_to) or None,
-                       project_dir=cfg.output_dir)
+    accelerator = Accelerator(**kwargs, gradient_accumulation_steps=gradient_accumulation_steps,
+                              mixed_precision=mixed_precision, log_with=tracker_list(cfg.report_to) or None,
+                              project_dir=cfg.output_dir)
+    claim_output_dir(accelerator, cfg)
+    return accelerator
+
+
+RUN_FLAGS = {  # the skeleton's own flags, the same in every train script: name -> (default, help)
+    "overwrite_output_dir": (False, "a fresh run into an --output_dir that holds another run deletes that run's "
+                                    "checkpoints and logs first (HF's flag); without it such a run is refused"),
+    "hub_private_repo": (None, "create the --hub_model_id repository private (HF's flag); none: the Hub's default "
+                               "visibility (public)"),
+    "ddp_timeout": (1800, "seconds a collective waits for the other processes before the run fails (HF's flag)"),
+    "max_skipped_steps": (3, "stop after this many optimizer steps in a row skipped for a NaN or infinite loss or "
+                             "gradient norm (utils/core/guards.py)"),
+}
+
+
+def run_flag(name: str):
+    """A fresh dataclass field for one of RUN_FLAGS (the same default and help in every script)."""
+    from dataclasses import field
+
+    default, help_text = RUN_FLAGS[name]
+    return field(default=default, metadata={"help": help_text})
+
+
+def check_run_flags(cfg):
+    """The skeleton's own flags, refused before anything starts (one line naming the flag)."""
+    for flag in ("ddp_timeout", "max_skipped_steps"):
+        if getattr(cfg, flag) < 1:
+            raise ConfigError(f"--{flag} {getattr(cfg, flag)} must be >= 1")
+    if cfg.hub_private_repo and not cfg.push_to_hub:
+        raise ConfigError("--hub_private_repo creates the repository --push_to_hub pushes to: give --push_to_hub")
+    if cfg.overwrite_output_dir and not is_fresh(cfg.resume_from_checkpoint):
+        raise ConfigError("--overwrite_output_dir deletes the run in --output_dir, which --resume_from_checkpoint "
+                          "resumes: drop one")
 
 
 def seed_run(cfg):
@@ -106,7 +143,8 @@ def start_logging(accelerator, cfg, *, total_steps, start_step):
         save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     logger = RunLogger(cfg.output_dir, accelerator, report_to=cfg.report_to, config=config_to_dict(cfg),
                        total_steps=total_steps, start_step=start_step)
-    uploader = HubUploader(cfg.hub_model_id) if cfg.push_to_hub and accelerator.is_main_process else None
+    uploader = (HubUploader(cfg.hub_model_id, private=cfg.hub_private_repo, staging_root=cfg.output_dir)
+                if cfg.push_to_hub and accelerator.is_main_process else None)
     return logger, uploader
 
 
@@ -151,3 +189,4 @@ def finish_run(accelerator, cfg, logger, uploader, summary, curves=()):
     # work above could abort at exit ("terminate called without an active exception", seen once under ZeRO-3)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    release(cfg.output_dir)

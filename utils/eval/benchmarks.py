@@ -143,8 +143,11 @@ class LLMAnswerExtractor:
     """The answer extractor over an OpenAI-compatible endpoint (MathVista's and MathVerse's pipelines extract with
     an LLM): question + response in, the final answer out ("" for none)."""
 
-    def __init__(self, base_url, model, *, api_key=None, timeout=120.0):
-        self.client = JudgeClient(base_url, model, api_key=api_key, timeout=timeout, temperature=0.0, max_tokens=64)
+    def __init__(self, base_url, model, *, api_key=None, timeout=120.0, max_retries=3, deadline=None,
+                 allow_insecure_api_key=False):
+        self.client = JudgeClient(base_url, model, api_key=api_key, timeout=timeout, temperature=0.0, max_tokens=64,
+                                  max_retries=max_retries, deadline=deadline,
+                                  allow_insecure_api_key=allow_insecure_api_key)
 
     def __call__(self, question, response):
         text = self.client.chat(EXTRACT_PROMPT.format(question=question, response=response)).strip()

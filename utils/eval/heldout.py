@@ -89,22 +89,23 @@ def generate_answers(model, processor, rows, *, prompt_template, system_prompt=N
 
 def generate_answers_remote(base_url, model_name, rows, *, prompt_template, system_prompt=None, max_new_tokens=256,
                             temperature=0.0, seed=0, api_key=None, timeout=300.0, max_concurrency=8,
-                            prompt_column="prompt"):
+                            prompt_column="prompt", max_retries=3, backoff=1.0, deadline=None,
+                            allow_insecure_api_key=False):
     """Completions from an OpenAI-compatible server (vLLM, SGLang ...): images go as base64 data URLs and
-    each row gets seed + its index, so a server that honours `seed` returns the same texts every run."""
-    import requests
+    each row gets seed + its index, so a server that honours `seed` returns the same texts every run. Each request
+    is retried and bounded as a judge's (`rewards.judge.JudgeClient`: `timeout`, `max_retries`, `backoff`,
+    `deadline`; the API key only over https or to 127.0.0.1 unless `allow_insecure_api_key`)."""
+    from rewards.judge import JudgeClient, JudgeError, image_data_url
 
-    from rewards.judge import image_data_url
+    client = JudgeClient(base_url, model_name, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                         backoff=backoff, deadline=deadline, max_tokens=max_new_tokens,
+                         temperature=max(temperature, 0.0), allow_insecure_api_key=allow_insecure_api_key)
 
-    url = base_url.rstrip("/")
-    url = url if url.endswith("/chat/completions") else url + "/chat/completions"
-    headers = {"Authorization": f"Bearer {api_key or 'EMPTY'}"}
-
-    def payload(index, row):
+    def messages(index, row):
         if videos_of(row):
             raise ValueError(f"row {row.get('id', index)!r} has videos: evaluate video rows with a local --model "
                              "(the frames a server samples are its own)")
-        messages, images = [], iter(prompt_images(row, prompt_column))
+        out, images = [], iter(prompt_images(row, prompt_column))
         prompt = row_messages(row, prompt_template=prompt_template, system_prompt=system_prompt,
                               prompt_column=prompt_column)
         if isinstance(prompt, str):  # a plain-text prompt: the server's chat endpoint takes it as one user turn
@@ -113,17 +114,15 @@ def generate_answers_remote(base_url, model_name, rows, *, prompt_template, syst
             content = [{"type": "image_url", "image_url": {"url": image_data_url(next(images))}}
                        if item["type"] == "image" else {"type": "text", "text": item["text"]}
                        for item in message["content"]]
-            messages.append({"role": message["role"], "content": content})
-        return {"model": model_name, "messages": messages, "max_tokens": max_new_tokens,
-                "temperature": max(temperature, 0.0), "seed": seed + index}
+            out.append({"role": message["role"], "content": content})
+        return out
 
     def ask(item):
         index, row = item
-        response = requests.post(url, json=payload(index, row), headers=headers, timeout=timeout)
-        if response.status_code != 200:
-            raise RuntimeError(f"--base_url {base_url}: row {row.get('id', index)!r} got HTTP "
-                               f"{response.status_code}: {response.text[:300]}")
-        return response.json()["choices"][0]["message"]["content"] or ""
+        try:
+            return client.complete(messages(index, row), seed=seed + index)
+        except JudgeError as error:
+            raise RuntimeError(f"--base_url: row {row.get('id', index)!r}: {error}") from None
 
     with ThreadPoolExecutor(max_workers=max_concurrency) as pool:
         return list(pool.map(ask, enumerate(rows)))
