@@ -1021,7 +1021,7 @@ def log_step_completions(ro, logger, step, batches):
                            turns=log_turns(mb.completions[k], cfg.output_dir, step,
                                            f"{sid}-{mb_index}-{accelerator.process_index}-{k}"),
                            token_ids=mb.completion_ids[k, :n].tolist(), model_mask=mb.model_mask[k, :n].tolist(),
-                           logps=[round(v, 6) for v in mb.policy_logps[k, :n].tolist()],
+                           logps=mb.policy_logps[k, :n].tolist(),
                            truncated=bool(mb.truncated[k]))
             row.update({column: values[k] for column, values in mb.extra.items() if k < len(values)})
             rows.append(row)

@@ -147,6 +147,9 @@ def test_each_family_format_is_read_from_its_template_or_refused(template, expec
 
 
 def test_the_tiny_chatml_template_writes_qwen3_vl_s_tool_turns():
+    """Calls and results exactly as Qwen3-VL's released template writes them; the schemas in the same <tools> lines
+    of the system turn (without Qwen's English instructions around them, as the tiny templates leave out default
+    system prompts)."""
     tiny, qwen3_vl = make_tiny_tokenizer("qwen2_5_vl"), _Templated(_template("qwen3_vl"))
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "q"},
@@ -155,7 +158,13 @@ def test_the_tiny_chatml_template_writes_qwen3_vl_s_tool_turns():
                 {"role": "tool", "name": "probe_tool", "content": "r2"}]
     tools = [tool_schema(add)]
     ours = tiny.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    assert ours == qwen3_vl.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    theirs = qwen3_vl.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    after_system = "<|im_end|>\n<|im_start|>user\n"
+    assert ours[ours.index(after_system):] == theirs[theirs.index(after_system):]
+    schema_lines = "<tools>\n" + json.dumps(tools[0]) + "\n</tools>"
+    assert schema_lines in ours and schema_lines in theirs and ours.startswith("<|im_start|>system\nBe brief.\n\n")
+    assert tiny.apply_chat_template(messages[:2], tokenize=False) == qwen3_vl.apply_chat_template(
+        messages[:2], tokenize=False).replace("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", "")
 
 
 def test_bad_calls_are_listed_not_raised():

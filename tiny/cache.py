@@ -57,11 +57,14 @@ TINY_GENERATOR = "tiny-generator"  # the tiny Qwen-Image generator (tiny/generat
 TINY_EDIT_GENERATOR = "tiny-edit-generator"  # the tiny generator taught to edit (tiny/edit_generator.py)
 TINY_DATASET = "synthetic:shapes"
 TINY_VIDEO_DATASET = "synthetic:video"
+TINY_TOOLS_DATASET = "synthetic:tools"  # the tiny tool task (tiny/tools_task.py), in TRL's conversational format
+TINY_TOOLS_SFT_MODEL = "tiny-tools-sft"  # tiny-sft after SFT on tool-use traces: the warm start of tiny tool GRPO
 TINY_EDITS_DATASET = "synthetic:edits"  # (scene, instruction, edited scene) triples: the edit generator's data
 TINY_REFLECT_DATASET = "synthetic:reflect"  # sharegpt rows (prompt, flawed draft) -> reflection: the reflector's
 TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
 TINY_VIDEO_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_video_sft.yaml")
+TINY_TOOLS_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_tools_sft.yaml")
 TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_base.yaml")
 TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.yaml")
 TINY_PLANNER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_planner.yaml")
@@ -228,6 +231,44 @@ def tiny_video_sft_path():
         "--model_name_or_path", tiny_sft_path(), "--dataset_name", video_dataset_path()])
 
 
+def _tools_spec():
+    from tiny import tokenizer, tools_task
+    from utils.core import image_tools
+
+    return {"splits": tools_task.SPLITS, "warm_start": tools_task.WARM_START,
+            "source": _source(tools_task.task_rows, tools_task.prompt_of, tools_task.cell_box,
+                              tools_task.warm_start_rows, tools_task.make_tools_dataset, tools_task.save_warm_start,
+                              image_tools.zoom_image, image_tools.fit_pixels, tokenizer._im_start_template,
+                              tokenizer._QWEN_TOOLS_SYSTEM, tokenizer._QWEN_TOOL_CALLS)}
+
+
+def tools_dataset_path():
+    """The tiny tool task's rows (tiny/tools_task.py): a save_to_disk DatasetDict in TRL's conversational format."""
+    from datasets import DatasetDict
+
+    from tiny import tools_task
+
+    def build(out):
+        DatasetDict({split: tools_task.make_tools_dataset(**spec)
+                     for split, spec in tools_task.SPLITS.items()}).save_to_disk(out)
+
+    return cached("tools", _tools_spec(), build)
+
+
+def tiny_tools_sft_path():
+    """The warm start of the tiny tool task: tiny-sft (which sees the shapes) after SFT on tool-use traces, half
+    zooming into the asked colour's cell then answering, half answering from the small image
+    (recipes/stages/tiny_tools_sft.yaml)."""
+    from tiny import tools_task
+
+    spec = {"tiny-sft": _tiny_sft_spec(), "tools": _tools_spec()}
+    return _trained("tiny-tools-sft", TINY_TOOLS_SFT_RECIPE, spec, lambda: [
+        "--model_name_or_path", tiny_sft_path(),
+        "--dataset_name", cached("tools-traces", spec, lambda out: tools_task.save_warm_start(
+            tools_task.warm_start_rows(**tools_task.WARM_START), out)),
+        "--chat_template_path", cached("tools-template", spec, tools_task.save_template)])
+
+
 def _source(*objects):
     """The source of functions and modules (and the repr of constants): part of a cache key, so a changed row builder
     rebuilds what was made with it while other edits to its module do not."""
@@ -361,8 +402,10 @@ def tiny_reflector_path():
 
 
 SYNTHETIC_DATASETS = {TINY_DATASET: shapes_dataset_path, TINY_VIDEO_DATASET: video_dataset_path,
+                      TINY_TOOLS_DATASET: tools_dataset_path,
                       TINY_EDITS_DATASET: edits_dataset_path, TINY_REFLECT_DATASET: reflect_dataset_path}
 TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_VIDEO_SFT_MODEL: tiny_video_sft_path,
+               TINY_TOOLS_SFT_MODEL: tiny_tools_sft_path,
                TINY_BASE_MODEL: tiny_base_path, TINY_REASONER_MODEL: tiny_reasoner_path,
                TINY_PLANNER_MODEL: tiny_planner_path, TINY_REFLECTOR_MODEL: tiny_reflector_path}
 

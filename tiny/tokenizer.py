@@ -134,16 +134,16 @@ _CONTENT = (
 )
 
 
-# Qwen's tool format (Qwen2.5, Qwen3, Qwen3-VL): the tools' JSON schemas in the system turn, each call as
-# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` in the assistant turn, tool results in a user turn as
-# `<tool_response>\n...\n</tool_response>` (consecutive results share the turn). The words are Qwen3-VL's template's.
+# Qwen's tool format (Qwen2.5, Qwen3, Qwen3-VL): the tools' JSON schemas in the system turn inside <tools></tools>,
+# each call as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` in the assistant turn, tool results in
+# a user turn as `<tool_response>\n...\n</tool_response>` (consecutive results share the turn). As the other tiny
+# templates leave out their default system prompts, this one leaves out Qwen's English instructions around the
+# schemas (hundreds of byte-level tokens the tiny model cannot read); calls and results are rendered as Qwen3-VL's
+# template renders them.
 _QWEN_TOOLS_SYSTEM = (
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
-    "with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{{- '<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{{- '\\n</tools><|im_end|>\\n' -}}"
 )
 _QWEN_TOOL_CALLS = (
     "{%- if message.tool_calls -%}{%- for tool_call in message.tool_calls -%}"

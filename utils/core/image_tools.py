@@ -52,24 +52,22 @@ def fit_pixels(image, max_pixels, *, upscale=False):
 
 
 def crop_image(box: list[int], image_index: int = 0, images: list = None, max_pixels: int = None):
-    """Crop a region of an image and look at it at its own resolution.
+    """Crop a region of an image, at its own resolution.
 
     Args:
-        box: The region as [x1, y1, x2, y2] in 0-1000 coordinates of the image (0 is the left or top edge, 1000 the
-            right or bottom edge).
-        image_index: Which image of the conversation, counted from 0 (the first one).
+        box: [x1, y1, x2, y2], 0-1000 from the left / top edge.
+        image_index: Which image, from 0.
     """
     image = _image(images, image_index)
     return fit_pixels(image.crop(_pixel_box(box, image)), max_pixels)
 
 
 def zoom_image(box: list[int], image_index: int = 0, images: list = None, max_pixels: int = None):
-    """Zoom into a region of an image: the region enlarged to the full image resolution.
+    """Zoom into a region of an image, enlarged to full resolution.
 
     Args:
-        box: The region as [x1, y1, x2, y2] in 0-1000 coordinates of the image (0 is the left or top edge, 1000 the
-            right or bottom edge).
-        image_index: Which image of the conversation, counted from 0 (the first one).
+        box: [x1, y1, x2, y2], 0-1000 from the left / top edge.
+        image_index: Which image, from 0.
     """
     image = _image(images, image_index)
     region = image.crop(_pixel_box(box, image))
@@ -80,8 +78,8 @@ def rotate_image(degrees: int, image_index: int = 0, images: list = None, max_pi
     """Rotate an image counter-clockwise, keeping all of it.
 
     Args:
-        degrees: The angle in degrees, between -360 and 360 (90 turns the top edge to the left).
-        image_index: Which image of the conversation, counted from 0 (the first one).
+        degrees: The angle, -360 to 360 (90 turns the top to the left).
+        image_index: Which image, from 0.
     """
     if not isinstance(degrees, (int, float)) or isinstance(degrees, bool) or not -360 <= degrees <= 360:
         raise ValueError(f"degrees must be a number in [-360, 360], got {degrees!r}")

@@ -33,7 +33,10 @@ def parse_completion(text, *, prompt_template="crystal_json"):
     steps = [str(s).strip() for s in (steps if isinstance(steps, list) else [steps]) if str(s).strip()]
     answer = str(answer).strip()
     if prompt_template != "plain" and not steps and answer == text.strip():
-        answer = ""
+        # an <answer> block without reasoning before it (a tool trajectory's final turn) still answers
+        from rewards.text import extract_answer
+
+        answer = (extract_answer(text) or "") if prompt_template == "think_answer" else ""
     return steps, answer
 
 
