@@ -614,6 +614,9 @@ def main(cfg: GRPOConfig):
     toolbox = ToolBox(cfg.tools, timeout=cfg.tool_timeout) if cfg.tools else None  # schemas checked here
     if toolbox and "videos" in dataset.column_names:
         raise ConfigError("--tools rolls out image and text prompts; this data set has videos")
+    if toolbox and cfg.prompt_column in dataset.column_names and isinstance(dataset[0][cfg.prompt_column], str):
+        raise ConfigError("--tools needs chat prompts (the tools are rendered by the chat template); this data set's "
+                          f"'{cfg.prompt_column}' column holds plain text")
     # rewards get every column but the prompt, as TRL passes them, and tool_calls with --tools
     reward_fns = build_rewards(cfg, reward_columns(dataset.column_names, cfg.prompt_column)
                                + (["tool_calls"] if toolbox else []))
@@ -1092,7 +1095,7 @@ def rollout(ro, rows, *, keys, sample_ids, seeds, step=0, prompt_rows=()):
     texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     token_ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
-    completions = trajectories.completions if ro.tools is not None else as_conversation(texts)
+    completions = trajectories.completions if ro.tools is not None else trl_completions(messages, texts)
     return MicroBatch(prompt_rows=list(prompt_rows), rows=rows, indices=list(keys), ids=list(sample_ids),
                       messages=messages, prompt_batch=prompt_batch, prompt_index=prompt_index,
                       completion_ids=completion_ids, completion_mask=completion_mask, texts=texts, token_ids=token_ids,
@@ -1154,7 +1157,7 @@ def rebuild_micro_batch(ro, groups):
                       prompt_batch=prompt_batch, prompt_index=prompt_index,
                       completion_ids=completion_ids.to(accelerator.device),
                       completion_mask=completion_mask.to(accelerator.device), texts=texts, token_ids=token_ids,
-                      completions=as_conversation(texts), sampler_logps=sampler_logps,
+                      completions=trl_completions(messages, texts), sampler_logps=sampler_logps,
                       rewards=torch.cat([g["rewards"] for g in groups]))
 
 
@@ -1221,6 +1224,11 @@ def read_tensors(path, name):
     """The tensors `tensor_saver` wrote in checkpoint `path` ({} when it wrote none)."""
     file = os.path.join(path, name, "tensors.safetensors")
     return load_file(file) if os.path.exists(file) else {}
+
+
+def trl_completions(prompts, texts):
+    """Completions as TRL passes them to rewards: strings after plain-text prompts, else assistant messages."""
+    return list(texts) if all(isinstance(p, str) for p in prompts) else as_conversation(texts)
 
 
 def reward_inputs(ro, mb):

@@ -130,3 +130,31 @@ def test_the_trl_example_of_docs_data_runs_as_written(tmp_path, monkeypatch):
         fresh_accelerate_state()
     (metrics,) = read_jsonl(tmp_path / cfg.output_dir / "metrics.jsonl")
     assert metrics["step"] == 1 and "rewards/trl.rewards:accuracy_reward" in metrics
+
+
+def strings_only(prompts, completions, answer, **kwargs):
+    """TRL's standard format: prompts and completions are strings."""
+    assert all(isinstance(p, str) for p in prompts) and all(isinstance(c, str) for c in completions)
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.slow
+def test_plain_text_prompts_train_a_text_model_without_a_chat_template(tmp_path):
+    """TRL's standard format: the prompt string is the model's input as it is (no template), the completions
+    strings in TRL's call."""
+    from tiny.models import make_tiny_llm
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    model = make_tiny_llm(tmp_path / "llm", seed=0)
+    try:
+        train_grpo.main(GRPOConfig(
+            model_name_or_path=model, dataset_name=str(data), output_dir=str(tmp_path / "out"), image_column=None,
+            reward_funcs=["tests.test_grpo_conversations:strings_only"], per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=6, max_steps=1, learning_rate=1e-3, report_to="none", save_steps=1,
+            log_completions=True))
+    finally:
+        fresh_accelerate_state()
+    rows = read_jsonl(tmp_path / "out" / "completions.jsonl")
+    assert {r["prompt"] for r in rows} <= {f"{i} + {i} =" for i in range(8)} and len(rows) == 8
