@@ -1111,20 +1111,25 @@ def tool_trajectories(ro, rows, keys, sample_ids, seeds, step, first):
                                 system_prompt=cfg.system_prompt) for r in rows]
     images = [prompt_images(r, cfg.prompt_column) for r in rows]
 
-    def generate(batch, segment_seeds, max_new_tokens, context_images):
-        if ro.vllm is not None:  # the context's ids and its images, as the first turn's prompt
-            return ro.vllm.generate(ro.policy, ro.processor, None, context_images, segment_seeds, step=step,
-                                    stop_ids=ro.stop_ids, suppress_ids=ro.suppress_ids, prompt_batch=batch,
-                                    return_logprobs=True)
-        with unwrap_for_generation(ro.policy, accelerator) as unwrapped:
+    # one gather of the weights for the whole loop (under ZeRO-3): processes run different numbers of turns, so no
+    # turn may wait on another process
+    engine = contextlib.nullcontext(None) if ro.vllm is not None else unwrap_for_generation(ro.policy, accelerator)
+    with engine as unwrapped:
+
+        def generate(batch, segment_seeds, max_new_tokens, context_images):
+            if unwrapped is None:  # vLLM: the context's ids and its images, as the first turn's prompt
+                return ro.vllm.generate(ro.policy, ro.processor, None, context_images, segment_seeds, step=step,
+                                        stop_ids=ro.stop_ids, suppress_ids=ro.suppress_ids, prompt_batch=batch,
+                                        return_logprobs=True)
             ids, mask = generate_completions(
                 unwrapped.model, batch, row_seeds=segment_seeds, max_new_tokens=max_new_tokens,
                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=ro.stop_ids,
                 pad_token_id=tokenizer.pad_token_id, suppress_token_ids=ro.suppress_ids)
-        return ids, mask, None
+            return ids, mask, None
 
-    return ro.tools.run(messages, images, sample_ids, seeds, first, generate, pad_token_id=tokenizer.pad_token_id,
-                        device=accelerator.device, tools=ro.tools.toolbox.schemas, keys=list(keys))
+        return ro.tools.run(messages, images, sample_ids, seeds, first, generate,
+                            pad_token_id=tokenizer.pad_token_id, device=accelerator.device,
+                            tools=ro.tools.toolbox.schemas, keys=list(keys))
 
 
 def rebuild_micro_batch(ro, groups):

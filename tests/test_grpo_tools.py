@@ -231,3 +231,27 @@ def test_evaluate_reads_a_trl_conversational_set(tmp_path):
     with pytest.raises(ValueError, match="--tools runs the tool loop on a local --model"):
         evaluate.main(evaluate.EvalConfig(base_url="http://127.0.0.1:1/v1", served_model_name="m", tools=TOOLS,
                                           dataset=os.path.join(folder, "train.jsonl"), split="train"))
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_two_processes_sample_and_train_the_one_process_trajectories(callers, tmp_path):
+    """Each turn's seeds come from the completion's global index, so two processes build the trajectories one
+    process builds (the tool loop runs a different number of turns on each process without waiting)."""
+    model_path, folder = callers("qwen2_5_vl")
+    args = flags(model_path, folder, tmp_path / "one", temperature=1.0)
+    args.update(tools=",".join(TOOLS), reward_kwargs=json.dumps(args["reward_kwargs"]),
+                reward_funcs=",".join(args["reward_funcs"]))
+    finish(launch("train_grpo.py", cli(**args)))
+    finish(launch("train_grpo.py", cli(**dict(args, output_dir=str(tmp_path / "two"), per_device_train_batch_size=2)),
+                  num_processes=2))
+
+    def trajectories(run_dir):
+        return [(r["step"], r["id"], r["token_ids"], r["model_mask"], r["tool_calls"])
+                for r in read_jsonl(run_dir / "completions.jsonl")]
+
+    assert trajectories(tmp_path / "two") == trajectories(tmp_path / "one")
+    one, two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    for a, b in zip(one, two):
+        assert a["tools/call_frequency"] == b["tools/call_frequency"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)

@@ -9,6 +9,7 @@ import time
 import pytest
 from PIL import Image
 
+from tests.tool_helpers import broken, sleepy
 from tiny.tokenizer import make_tiny_tokenizer
 from utils.core.config import ConfigError
 from utils.core.image_tools import crop_image, fit_pixels, rotate_image, zoom_image
@@ -28,25 +29,6 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def broken(x: int) -> str:
-    """Always fails.
-
-    Args:
-        x: Anything.
-    """
-    raise RuntimeError(f"no luck with {x}")
-
-
-def slow(seconds: float) -> str:
-    """Sleeps.
-
-    Args:
-        seconds: How long.
-    """
-    time.sleep(seconds)
-    return "awake"
-
-
 def undocumented(x: int):
     return x
 
@@ -61,9 +43,9 @@ def test_schema_comes_from_signature_and_docstring_without_context_keywords():
 
 
 def test_failures_come_back_as_error_messages_never_a_crash():
-    box = ToolBox([add, broken, slow], timeout=0.3)
+    box = ToolBox([add, broken, sleepy], timeout=0.3)
     assert box.call("add", {"a": 2, "b": 3}).content == [{"type": "text", "text": "5"}]
-    cases = {("broken", json.dumps({"x": 1})): "RuntimeError: no luck with 1",
+    cases = {("broken", json.dumps({"x": 1})): "RuntimeError: broken tool called with 1",
              ("nope", "{}"): "unknown tool 'nope'",
              ("add", json.dumps({"a": 1})): "bad arguments for add",
              ("add", json.dumps({"a": 1, "b": 2, "images": []})): "'images' is not an argument of add"}
@@ -72,8 +54,8 @@ def test_failures_come_back_as_error_messages_never_a_crash():
         assert result.error and message in result.error and message in result.content[0]["text"]
         assert json.loads(result.content[0]["text"]) == {"error": result.error}
     start = time.perf_counter()
-    result = box.call("slow", {"seconds": 5})
-    assert result.timed_out and "timed out after 0.3 s" in result.error and time.perf_counter() - start < 2
+    result = box.call("sleepy", {"seconds": 5})
+    assert result.timed_out and "sleepy timed out after 0.3 s" in result.error and time.perf_counter() - start < 2
 
 
 def test_image_results_and_trl_content_blocks_become_parts():
