@@ -583,8 +583,8 @@ def reflect_rollout(cfg, step, prompt_ids, buffer, *, rank_in_group, policy, pro
 
 def scored_counts(accelerator, roll):
     """(images the reward was asked to score this step, images it scored), over every process: the reason stage
-    scores all its images, a refine only those it edited."""
-    asked = torch.ones(len(roll.scores), dtype=torch.bool) if roll.stage == "reason" else ~roll.no_edit.bool()
+    and the text-free image stages score all their images, a refine only those it edited."""
+    asked = torch.ones(len(roll.scores), dtype=torch.bool) if roll.no_edit is None else ~roll.no_edit.bool()
     counts = torch.tensor([asked.sum(), (asked & ~roll.scores.isnan()).sum()], device=accelerator.device)
     return accelerator.reduce(counts, "sum").tolist()
 

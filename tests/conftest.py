@@ -27,6 +27,23 @@ def _keep_torch_threads():
     torch.set_num_threads(before)
 
 
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _keep_distributed_env():
+    """The vLLM colocate path sets torch.distributed's variables for vLLM in its process, as a launcher would
+    (utils.core.vllm_rollout); a test that runs it in this process must not leave the next test's Accelerator
+    believing it was launched on several processes."""
+    before = {k: os.environ.get(k) for k in DISTRIBUTED_ENV}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def two_torch_threads():
     """Two torch threads for a whole module of model tests (`pytestmark = pytest.mark.usefixtures(...)`)."""

@@ -8,8 +8,10 @@ import PIL.Image
 import pytest
 
 import evaluate
+import rewards.judge
 from evaluate import EvalConfig
 from utils.core.errors import InputError
+from utils.core.http import Reply
 from utils.eval.benchmarks import LLMAnswerExtractor, benchmark_correct, load_benchmark
 
 
@@ -136,22 +138,13 @@ def test_mathvision_official_schema_and_rules(tmp_path):
 def test_llm_answer_extractor_feeds_mathvistas_normalisation(mathvista, monkeypatch):
     sent = []
 
-    class Reply:
-        status_code = 200
-
-        def __init__(self, text):
-            self.text = text
-
-        def json(self):
-            return {"choices": [{"message": {"content": self.text}}]}
-
-    class Session:
-        def post(self, url, json, headers, timeout):
-            sent.append(json["messages"][-1]["content"][-1]["text"])
-            return Reply("Extracted answer: (B)" if "AB" in sent[-1] else "null")
+    def post(url, **request):  # the judge client's one HTTP call
+        sent.append(request["json"]["messages"][-1]["content"][-1]["text"])
+        text = "Extracted answer: (B)" if "AB" in sent[-1] else "null"
+        return Reply(200, json.dumps({"choices": [{"message": {"content": text}}]}).encode())
 
     extractor = LLMAnswerExtractor("http://127.0.0.1:9/v1", "extractor")
-    monkeypatch.setattr(extractor.client, "_session", lambda: Session())
+    monkeypatch.setattr(rewards.judge, "post", post)
     rows = {r["id"]: r for r in load_benchmark("mathvista", mathvista)}
     long = "Both sides measure the same, so the segment has the middle length of the three."
     assert benchmark_correct(rows["1"], long) == (False, "2")  # the rules alone: the most similar choice

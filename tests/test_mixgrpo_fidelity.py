@@ -4,6 +4,7 @@ rules, R3's GenEval++ judge request, and the r3_* recipes' defaults."""
 
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -235,8 +236,8 @@ def test_unscored_images_are_left_out_of_the_group_and_counted():
     full = torch.tensor([1.0, 0.2, 0.0, 0.5])
     assert torch.allclose(group_advantages(full, 4, scale="group"),
                           (full - full.mean()) / (full.std() + 1e-4))
-    scores = tm.score_images(None, lambda texts, images, **c: [1.0, None], ["a", "b"], [None, None],
-                             [dict(prompt="x"), dict(prompt="y")])
+    scores = tm.score_images(SimpleNamespace(reward_fn="r"), lambda texts, images, **c: [1.0, None], ["a", "b"],
+                             [None, None], [dict(prompt="x"), dict(prompt="y")])
     assert scores[0] == 1.0 and scores[1].isnan()
 
 

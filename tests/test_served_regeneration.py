@@ -11,23 +11,18 @@ from distill import main as distill_main
 
 
 def test_the_served_vlm_is_asked_with_its_templates_system_turn(monkeypatch):
+    import rewards.judge
     from rewards.judge import JudgeClient
+    from utils.core.http import Reply
 
     sent = []
 
-    class Reply:
-        status_code = 200
-
-        def json(self):
-            return {"choices": [{"message": {"content": "<answer>2</answer>"}}]}
-
-    class Session:
-        def post(self, url, json, headers, timeout):
-            sent.append(json)
-            return Reply()
+    def post(url, *, json, **request):  # the client's one HTTP call
+        sent.append(json)
+        return Reply(200, b'{"choices": [{"message": {"content": "<answer>2</answer>"}}]}')
 
     client = JudgeClient("http://127.0.0.1:9/v1", "m")
-    monkeypatch.setattr(client, "_session", lambda: Session())
+    monkeypatch.setattr(rewards.judge, "post", post)
     assert client.chat("How many?", system="Think first.") == "<answer>2</answer>"
     assert [m["role"] for m in sent[0]["messages"]] == ["system", "user"]
     assert sent[0]["messages"][0]["content"] == "Think first."
