@@ -34,7 +34,7 @@ from typing import Optional
 import PIL.Image
 
 from rewards.judge import JudgeClient, JudgeError
-from tiny.cache import REPO, TINY_DATASET, resolve_dataset, resolve_tiny_name
+from tiny.cache import REPO, TINY_DATASET, resolve_dataset, resolve_tiny_name, tiny_recipe
 from utils.core.config import ConfigError, choice, parse_config, save_config
 from utils.core.data import IMAGE_MARKER, images_of, load_vqa, render_question
 from utils.core.errors import exit_on_bad_input
@@ -51,6 +51,12 @@ SFT_FILE, DROPS_FILE, SUMMARY_FILE = "sft.jsonl", "drops.jsonl", "summary.json"
 
 @dataclass
 class DistillConfig:
+    """Reasoning chains for SFT, distilled: a text reasoner answers each question from a caption of its image (or a
+    VLM answers from the image itself), k chains per question; the filters keep one correct chain per question, its
+    reflection cut, and write sharegpt rows for train_sft.py. Flags override the recipe of --config; without one,
+    the tiny recipe (recipes/tiny_distill.yaml: tiny-base captions, tiny-reasoner served on 127.0.0.1) runs under
+    the flags given, unless they name models or endpoints of their own. docs/flags.md lists every flag."""
+
     # questions
     dataset: str = field(default=TINY_DATASET, metadata={"help": "VQA rows (image, question, answer): hub name, "
                                                                  "save_to_disk folder or data file"})
@@ -117,6 +123,12 @@ class DistillConfig:
     max_words: Optional[int] = 500  # drop a kept chain whose reasoning is longer than this (after the cut); none: off
     # output
     output_dir: str = "outputs/distill"  # sft.jsonl, drops.jsonl, images/, summary.json, config.yaml
+
+
+def parse_args(argv=None):
+    """The run's config: flags over --config's recipe, or over the tiny one (tiny.cache.tiny_recipe)."""
+    models = ("captioner", "captioner_base_url", "reasoner_model", "reasoner_base_url", "model", "model_base_url")
+    return parse_config(DistillConfig, argv, default_recipe=tiny_recipe(TINY_DISTILL_RECIPE, *models))
 
 
 def validate(cfg):
@@ -514,4 +526,4 @@ class Progress:
 if __name__ == "__main__":
     watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     with exit_on_bad_input("distill.py"):  # bad input (data, model paths) ends in one line
-        main(parse_config(DistillConfig, sys.argv[1:] or ["--config", TINY_DISTILL_RECIPE]))
+        main(parse_args())

@@ -34,6 +34,7 @@ from tiny.cache import TINY_DATASET, resolve_dataset
 from utils.core.config import choice, config_to_dict, parse_config
 from utils.core.conversations import prompt_question, set_chat_template
 from utils.core.errors import exit_on_bad_input
+from utils.core.flags import ImageVideoFlags
 from utils.core.launch import set_cpu_threads, watch_stage_parent
 from utils.core.models import load_model_and_processor
 from utils.core.prompts import PROMPT_TEMPLATES
@@ -41,7 +42,7 @@ from utils.core.rollout import stop_token_ids
 from utils.core.tool_formats import tool_format
 from utils.core.tool_rollout import ToolRollout, context_limit
 from utils.core.tools import ToolBox, pixel_budget
-from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
+from utils.core.video import budget_from_config, check_config_video_flags, videos_of
 from utils.eval.benchmarks import BENCHMARKS, LLMAnswerExtractor, benchmark_correct, load_benchmark
 from utils.eval.benchmarks import GROUP_BY as BENCHMARK_GROUPS
 from utils.eval.grading import (
@@ -62,7 +63,13 @@ SELECT_METRICS = ("accuracy", "match_f1", "ordered_match_f1", "math_accuracy", "
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(ImageVideoFlags):
+    """Generate answers for a VQA set with a checkpoint (--model) or an OpenAI-compatible server (--base_url), and
+    score them: CRYSTAL's Match F1 and Ordered Match F1, answer accuracy, math accuracy, reasoning-keyword
+    frequencies, each broken down by --group_by columns; --select_best scores every checkpoint of a run and picks
+    one. Writes generations.jsonl, predictions.json + references.json (the crystal-metrics format), metrics.json and
+    metrics.md to --output_dir. docs/flags.md lists every flag."""
+
     # what generates
     model: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or hub name"})
     base_url: Optional[str] = field(default=None,
@@ -77,14 +84,6 @@ class EvalConfig:
                 "clear)"})
     dtype: str = choice("auto", "float32", "bfloat16", "float16")  # weights dtype when loading a checkpoint
     attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
-    max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
-    min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
-    max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
-    fps: Optional[float] = video_flag("fps")
-    max_frames: Optional[int] = video_flag("max_frames")
-    video_max_pixels: Optional[int] = video_flag("video_max_pixels")
-    video_min_pixels: Optional[int] = video_flag("video_min_pixels")
-    video_total_pixels: Optional[int] = video_flag("video_total_pixels")
     # data
     dataset: str = field(default=TINY_DATASET, metadata={"help": "hub name, save_to_disk folder or data file"})
     split: str = "test"  # split of --dataset
@@ -119,6 +118,7 @@ class EvalConfig:
     batch_size: int = 32  # prompts per generation batch (local --model)
     temperature: float = field(default=0.0, metadata={"help": "<= 0: greedy"})
     seed: int = 0  # sampling seed with --temperature > 0 (per row, batch-independent)
+    # distributed
     cpu_threads: Optional[int] = field(default=None, metadata={
         "help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's "
                 "processes"})

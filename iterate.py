@@ -40,7 +40,7 @@ import distill
 import evaluate
 import train_grpo
 import train_sft
-from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET, resolve_dataset, resolve_tiny_name
+from tiny.cache import REPO, TINY_BASE_MODEL, TINY_DATASET, resolve_dataset, resolve_tiny_name, tiny_recipe
 from utils.core.checkpoint import latest_checkpoint
 from utils.core.config import ConfigError, choice, parse_config, save_config
 from utils.core.data import load_vqa
@@ -58,6 +58,12 @@ ESTIMATED_DIFFICULTY = "estimated_difficulty"
 
 @dataclass
 class IterateConfig:
+    """OpenVLThinker's SFT <-> RL cycles, stage by stage: each cycle distils SFT rows (distill.py), fine-tunes the
+    base model on them (train_sft.py), runs GRPO on medium, then hard questions (train_grpo.py) and evaluates every
+    stage (evaluate.py); a stopped run resumes at its unfinished stage. Flags override the recipe of --config;
+    without one, the tiny recipe (recipes/tiny_cycles.yaml) runs under the flags given, unless --base_model names a
+    model of its own. docs/flags.md lists every flag."""
+
     # the cycle
     num_cycles: int = 3  # SFT -> RL cycles
     base_model: str = field(default=TINY_BASE_MODEL, metadata={
@@ -91,11 +97,11 @@ class IterateConfig:
     rl_eval_steps: Optional[int] = field(default=None, metadata={
         "help": "each RL stage checkpoints every N steps; its start and every checkpoint are scored on the "
                 "validation rows and the cycle continues from the best (ties: the earliest); none: the last"})
+    val_samples: int = 128  # validation rows
     val_dataset: Optional[str] = field(default=None, metadata={
         "help": "validation VQA rows of --rl_eval_steps; none: the --val_samples rows of --rl_dataset right after "
                 "the RL set (never trained on)"})
     val_split: Optional[str] = None  # split of --val_dataset; none: --rl_split
-    val_samples: int = 128  # validation rows
     val_metric: str = choice("accuracy", "math_accuracy", "format",
                              help="what picks the checkpoint (evaluate.py --select_metric)")
     # resume
@@ -117,6 +123,11 @@ class IterateConfig:
     grpo_hard: dict = field(default_factory=dict)  # train_grpo.py flags over --grpo_hard_recipe
     evaluate: dict = field(default_factory=lambda: {"metrics": ["accuracy", "math", "keywords"]}, metadata={
         "help": "evaluate.py flags of every evaluation"})
+
+
+def parse_args(argv=None):
+    """The run's config: flags over --config's recipe, or over the tiny one (tiny.cache.tiny_recipe)."""
+    return parse_config(IterateConfig, argv, default_recipe=tiny_recipe(TINY_CYCLES_RECIPE, "base_model"))
 
 
 def validate(cfg):
@@ -682,4 +693,4 @@ def _stage_folders(cycle_folder):
 
 if __name__ == "__main__":
     with exit_on_bad_input("iterate.py"):
-        main(parse_config(IterateConfig, sys.argv[1:] or ["--config", TINY_CYCLES_RECIPE]))
+        main(parse_args())

@@ -12,7 +12,6 @@ an optional k3 KL to a frozen reference). docs/grpo.md has the formulas.
 import contextlib
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Optional
@@ -24,7 +23,8 @@ from transformers import TrainerState
 
 from kernels import group_advantages
 from rewards import get_reward
-from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny
+from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny, tiny_recipe
+from utils.core.checkpoint import save_and_push
 from utils.core.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
 from utils.core.config import ConfigError, choice, parse_config
 from utils.core.conversations import (
@@ -39,6 +39,7 @@ from utils.core.curriculum import LEVELS, combine_with_rating, levels_from_score
 from utils.core.data_sources import HubDatasetFlags, dataset_flags_error, train_rows, train_split
 from utils.core.encoding import encode_prompts
 from utils.core.errors import exit_on_bad_input
+from utils.core.flags import CheckpointFlags, HeldOutFlags, ImageVideoFlags, ModelFlags
 from utils.core.groups import choose_groups, dynamic_sampling, has_spread, weighted_rewards
 from utils.core.guards import StepGuard
 from utils.core.importance import IS_MODES, importance_weights, mismatch_metrics, mismatch_stats
@@ -52,7 +53,7 @@ from utils.core.losses import (
     clipped_policy_loss,
     high_entropy_mask,
 )
-from utils.core.models import disable_dropout, load_model_and_processor, prepare_for_training
+from utils.core.models import disable_dropout, load_model_and_processor, model_flags, prepare_for_training
 from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_steps
 from utils.core.packing import resolve_padding_free
 from utils.core.pcgrad import PCGradAccumulator
@@ -67,97 +68,63 @@ from utils.core.rollout import (
     stop_token_ids,
     truncated_completions,
 )
-from utils.core.run import (
-    finish_run,
-    is_due,
-    make_accelerator,
-    prepare_training,
-    resume_run,
-    run_flag,
-    save_and_push,
-    seed_run,
-    start_logging,
-    train_summary,
-)
+from utils.core.run import finish_run, is_due, make_accelerator, prepare_training, resume_run, seed_run, start_logging
 from utils.core.samplers import CurriculumSampler
 from utils.core.seeds import completion_seeds
 from utils.core.tool_formats import tool_format
 from utils.core.tool_rollout import ToolRollout, context_limit, log_turns, tool_metrics
 from utils.core.tools import ToolBox, pixel_budget
+from utils.core.tracking import train_summary
 from utils.core.trl_flags import TRL_ONLY_FLAGS
-from utils.core.video import budget_from_config, check_config_video_flags, row_clips, video_flag
+from utils.core.video import budget_from_config, check_config_video_flags, row_clips
 from utils.core.vllm_flags import VLLM_MODES, check_vllm_flags
 from utils.core.vllm_rollout import require_vllm
 from utils.core.vllm_server_rollout import make_vllm_rollout
 from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
-from utils.eval.heldout import evaluate_policy, load_eval_set
+from utils.eval.heldout import evaluate_after, evaluate_before, evaluate_policy, load_eval_set
 
 SCALES = ("group", "batch", "none")
 
 
 @dataclass
-class GRPOConfig(HubDatasetFlags, OptimizerFlags):
+class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, HubDatasetFlags, OptimizerFlags):
+    """GRPO for vision-language models (and text LLMs). For each prompt, sample G completions (--num_generations),
+    score them with the reward functions (called as TRL calls them), normalise the weighted reward within each group
+    into advantages, and minimise the clipped surrogate (plus an optional k3 KL to a frozen reference). Flags
+    override the recipe of --config; without one, the tiny CPU recipe (recipes/tiny_grpo.yaml) runs under the flags
+    given, unless they name a model of their own. docs/grpo.md has the formulas, docs/flags.md every flag."""
+
     TRL_FLAGS: ClassVar[dict] = TRL_ONLY_FLAGS  # TRL's GRPOConfig flags read without fields of ours (trl_flags.py)
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
-    dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
-    attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
-    freeze_vision_tower: bool = False  # freeze the vision encoder, its LoRA too (its projector stays trainable)
-    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     padding_free: Optional[bool] = field(default=None, metadata={"help": (
         "training log-prob passes pack the step's sequences end to end without padding (TRL's flag); none: where "
         "the model allows it, true: required, false: padded")})
     bf16: bool = False  # bf16 mixed precision (accelerate autocast); vLLM loads bf16 too
-    use_peft: bool = False  # train LoRA adapters instead of all weights
-    lora_r: int = 16  # LoRA rank
-    lora_alpha: int = 32  # LoRA alpha (updates scaled by alpha / r)
-    lora_dropout: float = 0.05  # dropout on the LoRA branch input (0 while --disable_dropout)
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # modules LoRA wraps (or all-linear)
     disable_dropout: bool = field(default=True, metadata={
         "help": "every dropout rate 0 (LoRA's too), so log-probs agree between rollout and training; TRL's flag "
                 "(its default is false: docs/grpo.md says why ours is true)"})
-    max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
-    min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
-    max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
-    fps: Optional[float] = video_flag("fps")
-    max_frames: Optional[int] = video_flag("max_frames")
-    video_max_pixels: Optional[int] = video_flag("video_max_pixels")
-    video_min_pixels: Optional[int] = video_flag("video_min_pixels")
-    video_total_pixels: Optional[int] = video_flag("video_total_pixels")
     # data
     dataset_name: str = field(default=TINY_DATASET, metadata={
         "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
     dataset_split: Optional[str] = None  # alias of --dataset_train_split (TRL's name); none: that flag
+    prompt_column: Optional[str] = field(default="prompt", metadata={"help": (
+        "column of TRL-style prompts (chat messages with image/video parts, or text), used when the data set has it; "
+        "without it the question/image columns build the prompt (docs/data.md); none: always those columns")})
     image_column: Optional[str] = field(default="image", metadata={"help": "'none' for text-only data"})
     video_column: str = "video"  # column with each row's video(s), when present (docs/data.md)
     question_column: str = "question"  # column with the question text
     answer_column: str = "answer"  # column with the ground-truth answer
     steps_column: str = "reference_steps"  # column with the reference reasoning steps (needed by cpr, reasoning, spr)
     choices_column: Optional[str] = None  # column with answer options; none: 'choices', else 'options', row by row
-    prompt_column: Optional[str] = field(default="prompt", metadata={"help": (
-        "column of TRL-style prompts (chat messages with image/video parts, or text), used when the data set has it; "
-        "without it the question/image columns build the prompt (docs/data.md); none: always those columns")})
     prompt_template: str = choice(*PROMPT_TEMPLATES)  # system prompt that asks for the answer format; plain: none
     system_prompt: Optional[str] = None  # replaces the template's system prompt (a prompt column's: added if none)
     chat_template_path: Optional[str] = field(default=None, metadata={"help": (
         "a .jinja file or a tokenizer folder whose chat template replaces the model's (TRL's flag), e.g. one with a "
         "tool format; none: the model's own")})
-    # tools (docs/tools.md)
-    tools: list[str] = field(default_factory=list, metadata={"help": (
-        "functions the policy may call while it answers: crop_image, zoom_image, rotate_image or module:function "
-        "(TRL's tools); none: single-turn rollouts")})
-    max_tool_calling_iterations: Optional[int] = None  # most rounds of tool calls per completion (TRL's); none: budget
-    tool_timeout: float = 10.0  # seconds a tool call may run before the model is told it timed out
-    # rewards
-    reward_funcs: list[str] = field(default_factory=lambda: ["format", "accuracy"], metadata={
-        "help": "reward names, module:function paths, or reward models (a sequence classifier's folder or hub id)"})
-    reward_weights: Optional[list[float]] = None  # one weight per reward function; none: all 1.0
-    reward_kwargs: dict = field(default_factory=dict, metadata={"help": 'JSON, e.g. {"cpr": {"answer_weight": 0.6}}'})
-    # GRPO
+    # generation
     num_generations: int = 8  # completions sampled per prompt (the group size G)
-    per_device_train_batch_size: int = 8  # completions per process per micro-batch; times processes: a multiple of G
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     steps_per_generation: Optional[int] = field(default=None, metadata={"help": (
         "micro-batches generated at once, a multiple of --gradient_accumulation_steps: one generation feeds "
         "steps_per_generation / gradient_accumulation_steps optimizer steps per --num_iterations pass (TRL's flag); "
@@ -170,30 +137,6 @@ class GRPOConfig(HubDatasetFlags, OptimizerFlags):
     temperature: float = 1.0  # sampling temperature; training log-probs use it too
     top_p: float = 1.0  # nucleus sampling of rollouts; 1.0: off
     top_k: Optional[int] = None  # top-k sampling of rollouts; none: off
-    beta: float = 0.0  # weight of the k3 KL to the reference; 0 loads no reference model
-    epsilon: float = 0.2  # lower clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: Optional[float] = None  # upper clip range (DAPO clip-higher); none: same as --epsilon
-    loss_type: str = field(default="dapo", metadata={"choices": list(LOSS_TYPES), "help": (
-        "normaliser: seq length, batch tokens, B*max_completion_length, step tokens (TRL's default dapo)")})
-    importance_sampling_level: str = choice(*IMPORTANCE_LEVELS)  # importance ratio per token, or per sequence (GSPO)
-    scale_rewards: str = choice(*SCALES)  # advantages / std of the group, of the batch, or not scaled
-    num_iterations: int = 1  # optimisation passes (mu) over each round of generations
-    use_bias_correction_kl: bool = field(default=False, metadata={"help": (
-        "multiply the k3 KL by the importance ratio so its gradient is the unbiased reverse-KL gradient (TRL's flag "
-        "and default, DeepSeek-V3.2); moves the KL gradient even on-policy")})
-    sync_ref_model: bool = field(default=False, metadata={"help": (
-        "TR-DPO: every --ref_model_sync_steps steps the reference becomes alpha x policy + (1 - alpha) x itself "
-        "(TRL's flag; with LoRA the base gets reference adapters of its own, docs/grpo.md)")})
-    ref_model_mixup_alpha: float = 0.6  # alpha of --sync_ref_model (TRL's default)
-    ref_model_sync_steps: int = 512  # optimizer steps between reference syncs (TRL's default)
-    mask_truncated_completions: bool = False  # completions cut at --max_completion_length stay out of the loss (DAPO)
-    entropy_coef: float = field(default=0.0, metadata={"help": (
-        "entropy bonus: the loss minus coef * the mean per-token policy entropy (TRL's flag); 0: off")})
-    top_entropy_quantile: float = field(default=1.0, metadata={"help": (
-        "train the surrogate only on the top-q fraction of completion tokens by entropy (TRL's flag; the 80/20 "
-        "paper uses 0.2); 1.0: every token")})
-    entropy_threshold: float = field(default=ENTROPY_THRESHOLD, metadata={"help": (
-        "entropy (nats) above which a token counts in the logged entropy_high_frac")})
     dynamic_sampling: bool = field(default=False, metadata={
         "help": "DAPO: drop groups whose rewards do not vary and refill the step with groups of new prompts"})
     max_resample_rounds: int = 4  # extra generation rounds a step may run to refill it under --dynamic_sampling
@@ -201,9 +144,6 @@ class GRPOConfig(HubDatasetFlags, OptimizerFlags):
     cache_implementation: Optional[str] = choice(*CACHE_IMPLEMENTATIONS, help=(
         "HF rollout's KV cache (TRL's flag): dynamic is the eager decoding loop, static also compiles the decode "
         "step (CUDA graphs on a GPU), auto is static on CUDA where it can run and dynamic elsewhere; none: dynamic"))
-    use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
-    allow_double_accuracy: bool = field(default=False,
-                                        metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
     # vLLM engine (with --use_vllm; docs/distributed.md)
     vllm_mode: str = choice(*VLLM_MODES, help=(
         "colocate: an engine inside every training process; server: a generation server on other GPUs "
@@ -231,6 +171,45 @@ class GRPOConfig(HubDatasetFlags, OptimizerFlags):
     vllm_importance_sampling_mode: str = choice(*IS_MODES, help=(
         "per-token or per-sequence ratio; truncate: cut at --vllm_importance_sampling_cap, mask: drop above it"))
     vllm_importance_sampling_cap: float = 3.0  # C, the largest importance weight kept (TRL's default)
+    # tools (docs/tools.md)
+    tools: list[str] = field(default_factory=list, metadata={"help": (
+        "functions the policy may call while it answers: crop_image, zoom_image, rotate_image or module:function "
+        "(TRL's tools); none: single-turn rollouts")})
+    max_tool_calling_iterations: Optional[int] = None  # most rounds of tool calls per completion (TRL's); none: budget
+    tool_timeout: float = 10.0  # seconds a tool call may run before the model is told it timed out
+    # rewards
+    reward_funcs: list[str] = field(default_factory=lambda: ["format", "accuracy"], metadata={
+        "help": "reward names, module:function paths, or reward models (a sequence classifier's folder or hub id)"})
+    reward_weights: Optional[list[float]] = None  # one weight per reward function; none: all 1.0
+    reward_kwargs: dict = field(default_factory=dict, metadata={"help": 'JSON, e.g. {"cpr": {"answer_weight": 0.6}}'})
+    allow_double_accuracy: bool = field(default=False,
+                                        metadata={"help": "allow accuracy next to cpr (counts the answer twice)"})
+    # GRPO loss
+    beta: float = 0.0  # weight of the k3 KL to the reference; 0 loads no reference model
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": (
+        "multiply the k3 KL by the importance ratio so its gradient is the unbiased reverse-KL gradient (TRL's flag "
+        "and default, DeepSeek-V3.2); moves the KL gradient even on-policy")})
+    sync_ref_model: bool = field(default=False, metadata={"help": (
+        "TR-DPO: every --ref_model_sync_steps steps the reference becomes alpha x policy + (1 - alpha) x itself "
+        "(TRL's flag; with LoRA the base gets reference adapters of its own, docs/grpo.md)")})
+    ref_model_mixup_alpha: float = 0.6  # alpha of --sync_ref_model (TRL's default)
+    ref_model_sync_steps: int = 512  # optimizer steps between reference syncs (TRL's default)
+    epsilon: float = 0.2  # lower clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # upper clip range (DAPO clip-higher); none: same as --epsilon
+    loss_type: str = field(default="dapo", metadata={"choices": list(LOSS_TYPES), "help": (
+        "normaliser: seq length, batch tokens, B*max_completion_length, step tokens (TRL's default dapo)")})
+    importance_sampling_level: str = choice(*IMPORTANCE_LEVELS)  # importance ratio per token, or per sequence (GSPO)
+    scale_rewards: str = choice(*SCALES)  # advantages / std of the group, of the batch, or not scaled
+    num_iterations: int = 1  # optimisation passes (mu) over each round of generations
+    mask_truncated_completions: bool = False  # completions cut at --max_completion_length stay out of the loss (DAPO)
+    entropy_coef: float = field(default=0.0, metadata={"help": (
+        "entropy bonus: the loss minus coef * the mean per-token policy entropy (TRL's flag); 0: off")})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": (
+        "train the surrogate only on the top-q fraction of completion tokens by entropy (TRL's flag; the 80/20 "
+        "paper uses 0.2); 1.0: every token")})
+    entropy_threshold: float = field(default=ENTROPY_THRESHOLD, metadata={"help": (
+        "entropy (nats) above which a token counts in the logged entropy_high_frac")})
+    use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
     # difficulty curriculum (OpenVLThinker)
     curriculum: list[str] = field(default_factory=list, metadata={"help": "stages in order, e.g. medium,hard"})
     difficulty_column: str = "difficulty"  # column of easy/medium/hard labels (with --difficulty_samples 0)
@@ -241,7 +220,9 @@ class GRPOConfig(HubDatasetFlags, OptimizerFlags):
                                          metadata={"help": "quality rating in [0, 1] averaged into the difficulty"})
     difficulty_split: str = choice("tertiles", "thresholds")  # error-rate tertiles, or cuts at --difficulty_thresholds
     difficulty_thresholds: list[float] = field(default_factory=lambda: [1 / 3, 2 / 3])  # score cuts: easy/medium/hard
-    # optimisation
+    # training
+    per_device_train_batch_size: int = 8  # completions per process per micro-batch; times processes: a multiple of G
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     learning_rate: float = 1e-6  # AdamW peak learning rate
     lr_scheduler_type: str = "constant"  # transformers LR schedule; constant ignores --warmup_ratio
     warmup_ratio: float = 0.0  # fraction of the steps with linear LR warmup
@@ -250,37 +231,28 @@ class GRPOConfig(HubDatasetFlags, OptimizerFlags):
     max_steps: int = -1  # optimizer steps to run; <= 0: from --num_train_epochs
     num_train_epochs: float = 1.0  # passes over the data when --max_steps <= 0 (may be fractional)
     seed: int = 42  # seed of data order, rollout sampling and init
+    # distributed
     cpu_threads: Optional[int] = field(default=None, metadata={
         "help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's "
                 "processes"})
-    # run
+    # logging
     output_dir: str = "outputs/grpo"  # checkpoints, logs, metrics and config.yaml go here
     logging_steps: int = 1  # log metrics every N optimizer steps
-    save_steps: int = 100  # checkpoint every N optimizer steps and at the end
-    save_total_limit: Optional[int] = None  # keep the newest N checkpoints; none: keep all
-    resume_from_checkpoint: Optional[str] = None  # checkpoint folder, or latest (newest in --output_dir); none: fresh
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none (comma-separated)
-    push_to_hub: bool = False  # upload every checkpoint to --hub_model_id (in the background)
-    hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
-    overwrite_output_dir: bool = run_flag("overwrite_output_dir")
-    hub_private_repo: Optional[bool] = run_flag("hub_private_repo")
-    ddp_timeout: int = run_flag("ddp_timeout")
-    max_skipped_steps: int = run_flag("max_skipped_steps")
     log_completions: bool = False  # write every completion of each logged step to completions.jsonl (TRL's flag)
     num_completions_to_print: Optional[int] = None  # with --log_completions, print this many per logged step; none: all
-    # held-out evaluation (greedy accuracy), before and after training
-    eval_dataset_name: Optional[str] = field(default=None,
-                                             metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
-    eval_split: str = "test"  # split of --eval_dataset_name
-    eval_samples: Optional[int] = 256  # evaluate the first N questions; none: all
-    eval_batch_size: int = 64  # prompts per generation batch in evaluation
-    eval_max_new_tokens: int = 128  # max tokens per greedy evaluation answer
+    # held-out evaluation (greedy answer accuracy on VQA rows)
     eval_before: bool = field(default=True, metadata={"help": "also evaluate the starting model"})
+
+
+def parse_args(argv=None):
+    """The run's config: flags over --config's recipe, or over the tiny one (tiny.cache.tiny_recipe)."""
+    return parse_config(GRPOConfig, argv, default_recipe=tiny_recipe(TINY_RECIPE, "model_name_or_path"))
 
 
 def validate(cfg, num_processes, distributed_type="NO"):
     """Every flag combination that cannot work fails here, before a model is loaded (one line naming the flag)."""
-    B, G = cfg.per_device_train_batch_size, cfg.num_generations
+    B, G = cfg.per_device_train_batch_size, cfg.num_generations  # as Layout reads them
     for flag, value, options in (("--loss_type", cfg.loss_type, LOSS_TYPES),
                                  ("--scale_rewards", cfg.scale_rewards, SCALES),
                                  ("--importance_sampling_level", cfg.importance_sampling_level, IMPORTANCE_LEVELS)):
@@ -624,10 +596,7 @@ def main(cfg: GRPOConfig):
     eval_set = load_eval_set(cfg, accelerator)
 
     # ---- model, reference, optimiser ----
-    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
-                                                attn_implementation=cfg.attn_implementation,
-                                                freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
-                                                min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
+    model, processor = load_model_and_processor(model_path, **model_flags(cfg))
     tokenizer = getattr(processor, "tokenizer", processor)
     set_chat_template(processor, cfg.chat_template_path)
     check_no_logits_shaping(model)  # before any compute: a sampler the log-probs cannot score
@@ -699,12 +668,16 @@ def main(cfg: GRPOConfig):
     logger, uploader = start_logging(accelerator, cfg, total_steps=max_steps, start_step=global_step)
     loss_divisor = accumulation_divisor(cfg.loss_type, layout.GA)  # a micro-batch's loss / this = its step share
 
-    heldout_before = state.get("heldout_before")
-    if eval_set is not None and cfg.eval_before and global_step == 0:
-        heldout_before = evaluate_policy(policy, processor, eval_set, cfg, accelerator,
-                                         prompt_template=cfg.prompt_template, tools=tools)
-        accelerator.print(f"held-out accuracy before GRPO: {heldout_before['accuracy']:.3f} "
-                          f"({heldout_before['samples']} questions)")
+    def evaluate(tag):  # greedy held-out accuracy; the trained model's is logged
+        result = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template,
+                                 tools=tools)
+        if tag == "after":
+            logger.log(global_step, {f"heldout_{k}": v for k, v in result.items()})
+        return result
+
+    heldout_before = evaluate_before(
+        accelerator, evaluate if eval_set is not None else None, state, cfg, global_step,
+        describe=lambda r: f"held-out accuracy before GRPO: {r['accuracy']:.3f} ({r['samples']} questions)")
     train_start = time.perf_counter()
 
     while global_step < max_steps:
@@ -771,20 +744,25 @@ def main(cfg: GRPOConfig):
         round_index += 1
 
     summary = train_summary(global_step, train_start, logger)
-    if eval_set is not None:
-        after = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=cfg.prompt_template,
-                                tools=tools)
-        logger.log(global_step, {f"heldout_{k}": v for k, v in after.items()})
-        summary.update({f"heldout_{k}_after": v for k, v in after.items()})
-        if heldout_before:
-            summary.update({f"heldout_{k}_before": v for k, v in heldout_before.items()})
-        accelerator.print(
-            f"held-out accuracy: before {heldout_before['accuracy']:.3f} -> after {after['accuracy']:.3f} "
-            f"({after['samples']} questions)" if heldout_before else
-            f"held-out accuracy after GRPO: {after['accuracy']:.3f} ({after['samples']} questions)")
+    evaluate_after(accelerator, evaluate if eval_set is not None else None, summary, heldout_before,
+                  summarize=heldout_summary, describe=heldout_lines)
     finish_run(accelerator, cfg, logger, uploader, summary,
                curves=[("reward_curve.png", ["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs], 0.8)])
     return policy
+
+
+def heldout_summary(after, before):
+    """The run summary's held-out entries: heldout_<key>_after, and heldout_<key>_before."""
+    return {**{f"heldout_{k}_after": v for k, v in after.items()},
+            **{f"heldout_{k}_before": v for k, v in (before or {}).items()}}
+
+
+def heldout_lines(after, before):
+    """What the run prints of its held-out accuracy."""
+    if before:
+        return [f"held-out accuracy: before {before['accuracy']:.3f} -> after {after['accuracy']:.3f} "
+                f"({after['samples']} questions)"]
+    return [f"held-out accuracy after GRPO: {after['accuracy']:.3f} ({after['samples']} questions)"]
 
 
 # ---- the phases of a round, in the loop's order ----
@@ -1312,6 +1290,5 @@ def difficulty_levels(ro):
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
     watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
-    # With no arguments, run the tiny CPU recipe. Bad input (data, prompts, model paths) ends in one line.
-    with exit_on_bad_input("train_grpo.py"):
-        main(parse_config(GRPOConfig, sys.argv[1:] or ["--config", TINY_RECIPE]))
+    with exit_on_bad_input("train_grpo.py"):  # bad input (data, prompts, model paths) ends in one line
+        main(parse_args())

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -25,10 +24,12 @@ import torch
 from accelerate.utils import gather_object
 
 from kernels import group_advantages
-from tiny.cache import resolve_tiny_t2i
+from tiny.cache import resolve_tiny_t2i, tiny_recipe
+from utils.core.checkpoint import save_and_push
 from utils.core.config import ConfigError, choice, parse_config
 from utils.core.encoding import encode_prompts
 from utils.core.errors import InputError, exit_on_bad_input
+from utils.core.flags import CheckpointFlags
 from utils.core.guards import StepGuard, UnscoredStreak
 from utils.core.launch import relaunch_multi_cpu_if_needed, watch_stage_parent
 from utils.core.logprobs import prepare_reference_model
@@ -38,21 +39,12 @@ from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_s
 from utils.core.records import Record
 from utils.core.reward_calls import build_image_reward, score_images
 from utils.core.rollout import generate_completions, special_token_ids_to_suppress, stop_token_ids
-from utils.core.run import (
-    finish_run,
-    is_due,
-    make_accelerator,
-    prepare_training,
-    resume_run,
-    run_flag,
-    save_and_push,
-    seed_run,
-    start_logging,
-    train_summary,
-)
+from utils.core.run import finish_run, is_due, make_accelerator, prepare_training, resume_run, seed_run, start_logging
 from utils.core.samplers import SeededSampler
 from utils.core.seeds import completion_seeds
-from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
+from utils.core.tracking import train_summary
+from utils.core.zero3 import clear_stale_zero3_gradients, is_zero3, unwrap_for_generation
+from utils.eval.heldout import evaluate_after, evaluate_before
 from utils.t2i.data import load_prompts
 from utils.t2i.generators import Guidance, SDEStep, sample
 from utils.t2i.mixgrpo_eval import evaluate_reason, heldout_lines, heldout_summary
@@ -89,7 +81,13 @@ JUDGES = ("judge_geneval_plus", "judge_tiif", "unifiedreward")  # rewards that s
 
 
 @dataclass
-class MixGRPOConfig(OptimizerFlags):
+class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
+    """R3's Mix-GRPO: GRPO on a VLM's text reasoning and on a flow-matching generator's SDE steps, in one run. Even
+    steps reason (prompt -> reasoning -> image), odd steps reflect on a buffered image and refine it; the text part
+    and the image part get their own advantages, losses and KL weights. Flags override the recipe of --config;
+    without one, the tiny CPU recipe (recipes/tiny_mixgrpo.yaml) runs under the flags given, unless they name models
+    of their own. docs/mixgrpo.md has the formulas, docs/flags.md every flag."""
+
     # models
     model_name_or_path: str = field(default=TINY, metadata={
         "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws "
@@ -172,12 +170,6 @@ class MixGRPOConfig(OptimizerFlags):
     cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
     negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
     timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
-    # reflect + refine (odd steps)
-    reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
-    max_output_token_n_edit: int = 384  # max tokens of the reflection + edit instruction (R3: 384)
-    num_timesteps_edit: int = 20  # flow steps of the refine stage's image
-    enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
-    max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
     # MixGRPO's sliding window (reason stage): W consecutive SDE steps per image instead of R3's one random step
     sde_window_size: int = 0  # W SDE steps per reason image, all trained; 0: R3's one random step (MixGRPO: 4)
     sde_window_shift_interval: int = 25  # reason steps before the window moves (MixGRPO's iters_per_group)
@@ -187,6 +179,12 @@ class MixGRPOConfig(OptimizerFlags):
         "help": "Flow-GRPO-Fast: [lo, hi]: each step's window of --sde_window_size SDE steps starts at random in "
                 "[lo, hi - size] (seeded by the step), ODE elsewhere (Flow-GRPO-Fast: [0, num_timesteps_gen // 2]); "
                 "none: MixGRPO's sliding window"})
+    # reflect + refine (odd steps)
+    reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
+    max_output_token_n_edit: int = 384  # max tokens of the reflection + edit instruction (R3: 384)
+    num_timesteps_edit: int = 20  # flow steps of the refine stage's image
+    enable_sde_edit: bool = True  # one SDE step per refine rollout (trained); off: ODE refine, image not trained
+    max_sde_timestep_idx_for_edit: int = 2  # the refine SDE step is one of the first N steps (R3: 2)
     noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
     cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
     cfg_img_scale_edit: float = 1.5  # image CFG of the refine stage (BAGEL's cfg_img_scale; 1: off)
@@ -201,7 +199,7 @@ class MixGRPOConfig(OptimizerFlags):
     tune_text_cot: bool = True  # train the VLM on the text part
     tune_image_cot: bool = True  # train the generator on the image part
     scale_advantages: bool = False  # divide advantages by the group's std (R3: off)
-    # optimisation
+    # training
     learning_rate: float = 5e-6  # AdamW peak learning rate (the VLM; the generator too unless the next is set)
     generator_learning_rate: Optional[float] = None  # peak learning rate of the generator's LoRA; none: the above
     lr_scheduler_type: str = "constant_with_warmup"  # transformers LR schedule
@@ -211,22 +209,14 @@ class MixGRPOConfig(OptimizerFlags):
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0: no clipping
     max_steps: int = 200  # optimizer steps
     seed: int = 42  # seed of data order, text sampling, initial noise and SDE noise
-    cpu_threads: Optional[int] = None  # torch threads per process without a GPU; default: an even share
-    # run
-    output_dir: str = "outputs/mixgrpo"  # checkpoints, metrics, grids and config.yaml
-    logging_steps: int = 1  # log metrics every N steps
-    save_steps: int = 100  # checkpoint every N steps and at the end
-    save_total_limit: Optional[int] = None  # keep the newest N checkpoints; none: all
-    resume_from_checkpoint: Optional[str] = None  # checkpoint folder or latest; none: fresh
-    report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none
-    push_to_hub: bool = False  # upload every checkpoint to --hub_model_id
-    hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
-    overwrite_output_dir: bool = run_flag("overwrite_output_dir")
-    hub_private_repo: Optional[bool] = run_flag("hub_private_repo")
-    ddp_timeout: int = run_flag("ddp_timeout")
-    max_skipped_steps: int = run_flag("max_skipped_steps")
     max_unscored_steps: int = field(default=3, metadata={"help": (
         "stop when the reward scores none of a stage's images this many steps of that stage in a row")})
+    # distributed
+    cpu_threads: Optional[int] = None  # torch threads per process without a GPU; default: an even share
+    # logging
+    output_dir: str = "outputs/mixgrpo"  # checkpoints, metrics, grids and config.yaml
+    logging_steps: int = 1  # log metrics every N steps
+    report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none
     log_completions: int = 4  # rollouts per logged step written to completions.jsonl
     # held-out evaluation: greedy text, ODE image, more steps
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
@@ -236,6 +226,12 @@ class MixGRPOConfig(OptimizerFlags):
     eval_batch_size: int = 16  # held-out images drawn and refined in one batch (a row's images go together)
     eval_steps: int = 0  # evaluate every N steps (0: only before and after training)
     eval_before: bool = True  # also evaluate the starting policy
+
+
+def parse_args(argv=None):
+    """The run's config: flags over --config's recipe, or over the tiny one (tiny.cache.tiny_recipe)."""
+    models = ("model_name_or_path", "generator_name_or_path", "edit_generator_name_or_path")
+    return parse_config(MixGRPOConfig, argv, default_recipe=tiny_recipe(TINY_MIXGRPO_RECIPE, *models))
 
 
 def validate(cfg, num_processes):
@@ -788,10 +784,9 @@ def main(cfg: MixGRPOConfig):
         check_policy(cfg, vlm_path, gen_path)  # the policy's family against the generator's conditioning
 
     # ---- the policy: the VLM (text) + the Qwen-Image generator conditioned on it ----
-    plugin = accelerator.state.deepspeed_plugin
     # Both parts load whole on each process and ZeRO-3 shards them at prepare: diffusers builds no model sharded,
     # and the generator's frozen copy of the VLM (its conditioning) is copied from the loaded weights.
-    with whole_weights(plugin):
+    with whole_weights(accelerator):
         if cfg.text_free:  # Flow-GRPO: the generator alone, its own text encoder reading the prompts
             model = processor = policy = stop_ids = suppress_ids = None
             gen, gen_params = load_generator(cfg, gen_path, "generator_name_or_path", accelerator.device, hidden=None,
@@ -858,10 +853,8 @@ def main(cfg: MixGRPOConfig):
             return prompt_rollout(cfg, step, mine, [train_rows[prompt_idx[q]] for q in mine], rank_in_group=member,
                                   gen=gen, accelerator=accelerator, scorer=scorer)
 
-    heldout_before = state.get("heldout_before")
-    if val_rows is not None and cfg.eval_before and global_step == 0:
-        heldout_before = evaluate("before")
-        accelerator.print(f"held-out reward before: {heldout_before['reward']:.4f} ({heldout_images})")
+    heldout_before = evaluate_before(accelerator, evaluate if val_rows is not None else None, state, cfg, global_step,
+                                     describe=lambda r: f"held-out reward before: {r['reward']:.4f} ({heldout_images})")
     train_start = time.perf_counter()
 
     while global_step < cfg.max_steps:
@@ -909,21 +902,18 @@ def main(cfg: MixGRPOConfig):
 
     scorer.close()
     summary = train_summary(global_step, train_start, logger)
-    if val_rows is not None:
-        after = evaluate("after")
-        summary.update(heldout_summary(after, heldout_before))
-        if heldout_before:
-            for line in heldout_lines(heldout_before, after, heldout_images):
-                accelerator.print(line)
+    evaluate_after(accelerator, evaluate if val_rows is not None else None, summary, heldout_before,
+                   summarize=heldout_summary,
+                   describe=lambda after, before: heldout_lines(before, after, heldout_images) if before else [])
     finish_run(accelerator, cfg, logger, uploader, summary)
     return dict(policy=policy, gen=gen)
 
 
 @contextlib.contextmanager
-def whole_weights(plugin):
+def whole_weights(accelerator):
     """Models built inside are whole: under a ZeRO-3 config transformers builds them sharded (deepspeed.zero.Init)
     while accelerate's HF DeepSpeed config is registered (its zero3_init_context_manager does not unregister it)."""
-    if plugin is None or plugin.zero_stage != 3:
+    if not is_zero3(accelerator):
         yield
         return
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -932,7 +922,7 @@ def whole_weights(plugin):
     try:
         yield
     finally:
-        plugin.set_deepspeed_weakref()
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
 def save_generator(accelerator, gen, params, output_dir, name):
@@ -941,7 +931,7 @@ def save_generator(accelerator, gen, params, output_dir, name):
     are gathered first, so every process calls this."""
     staging = os.path.join(output_dir, f"tmp-{name}")
     gather = contextlib.nullcontext()
-    if accelerator.state.deepspeed_plugin is not None and accelerator.state.deepspeed_plugin.zero_stage == 3:
+    if is_zero3(accelerator):
         import deepspeed
 
         gather = deepspeed.zero.GatheredParameters(list(params))
@@ -1033,4 +1023,4 @@ if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
     watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
     with exit_on_bad_input("train_mixgrpo.py"):  # bad input (data, model paths) ends in one line
-        main(parse_config(MixGRPOConfig, sys.argv[1:] or ["--config", TINY_MIXGRPO_RECIPE]))
+        main(parse_args())

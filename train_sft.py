@@ -13,36 +13,27 @@ OpenVLThinker SFT files). docs/sft.md has the details.
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from kernels import fused_token_logprobs
-from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny
-from utils.core.checkpoint import save_checkpoint
-from utils.core.config import ConfigError, choice, config_to_dict, parse_config
+from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_SFT_RECIPE, resolve_tiny, tiny_recipe
+from utils.core.checkpoint import save_and_push
+from utils.core.config import ConfigError, choice, parse_config
 from utils.core.conversations import set_chat_template
 from utils.core.data import load_sharegpt, load_vqa
 from utils.core.data_sources import HubDatasetFlags, dataset_flags_error, train_rows, train_split
 from utils.core.errors import exit_on_bad_input
+from utils.core.flags import CheckpointFlags, HeldOutFlags, ImageVideoFlags, ModelFlags
 from utils.core.guards import StepGuard
 from utils.core.launch import relaunch_multi_cpu_if_needed, watch_stage_parent
 from utils.core.logprobs import CompletionLogProbs, hf_core
-from utils.core.models import freeze_vision_tower, load_model_and_processor, prepare_for_training
+from utils.core.models import freeze_vision_tower, load_model_and_processor, model_flags, prepare_for_training
 from utils.core.optim import OptimizerFlags, check_optimizer_flags, num_warmup_steps
 from utils.core.packing import packed_sequence_hidden, resolve_padding_free
 from utils.core.prompts import PROMPT_TEMPLATES, RESPONSE_TEMPLATES
-from utils.core.run import (
-    finish_run,
-    make_accelerator,
-    prepare_training,
-    resume_run,
-    run_flag,
-    seed_run,
-    start_logging,
-    train_summary,
-)
+from utils.core.run import finish_run, is_due, make_accelerator, prepare_training, resume_run, seed_run, start_logging
 from utils.core.samplers import SeededSampler
 from utils.core.sft_data import (
     IGNORE_INDEX,
@@ -51,42 +42,33 @@ from utils.core.sft_data import (
     sharegpt_tools,
     vqa_conversation,
 )
-from utils.core.video import budget_from_config, check_config_video_flags, video_flag, videos_of
+from utils.core.tracking import train_summary
+from utils.core.video import budget_from_config, check_config_video_flags, videos_of
 from utils.core.zero3 import clear_stale_zero3_gradients
-from utils.eval.heldout import evaluate_policy, load_eval_set
+from utils.eval.heldout import evaluate_after, evaluate_policy, load_eval_set
 
 
 @dataclass
-class SFTConfig(HubDatasetFlags, OptimizerFlags):
+class SFTConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, HubDatasetFlags, OptimizerFlags):
+    """Supervised fine-tuning of a VLM (or LLM) on reasoning traces: next-token NLL on the assistant tokens only,
+    averaged over the assistant tokens of the whole optimizer step on all processes. Data: CRYSTAL VQA rows (the
+    target built from reference_steps + answer in --response_template's format) or sharegpt conversations (LLaMA-
+    Factory / OpenVLThinker SFT files). Flags override the recipe of --config; without one, the tiny CPU recipe
+    (recipes/tiny_sft.yaml, the warm start of tiny GRPO) runs under the flags given, unless they name a model of
+    their own. docs/sft.md has the details, docs/flags.md every flag."""
+
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})
-    dtype: str = choice("auto", "float32", "bfloat16", "float16", help="weights dtype when loading")
-    attn_implementation: Optional[str] = None  # attention: sdpa, eager, flash_attention_2...; none: the model's default
-    freeze_vision_tower: bool = False  # freeze the vision encoder, its LoRA too (its projector stays trainable)
     freeze_multi_modal_projector: bool = field(default=False,
                                                metadata={"help": "also freeze the vision-to-LM projector"})
     freeze_input_embeddings: bool = field(default=False, metadata={"help": (
         "keep the input token embeddings as loaded (with tied embeddings the LM head too): words that are random "
         "choices as targets otherwise drift together and can no longer be told apart as inputs")})
-    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     padding_free: Optional[bool] = field(default=None, metadata={"help": (
         "pack each micro-batch's sequences end to end without padding (TRL's flag); none: where the model allows "
         "it, true: required, false: padded")})
     bf16: bool = False  # bf16 mixed precision (accelerate autocast)
-    use_peft: bool = False  # train LoRA adapters instead of all weights
-    lora_r: int = 16  # LoRA rank
-    lora_alpha: int = 32  # LoRA alpha (updates scaled by alpha / r)
-    lora_dropout: float = 0.05  # dropout on the LoRA branch input
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # modules LoRA wraps (or all-linear)
-    max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
-    min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
-    max_anyres_num: Optional[int] = None  # max tiles per image (InternVL-style image processors); none: the processor's
-    fps: Optional[float] = video_flag("fps")
-    max_frames: Optional[int] = video_flag("max_frames")
-    video_max_pixels: Optional[int] = video_flag("video_max_pixels")
-    video_min_pixels: Optional[int] = video_flag("video_min_pixels")
-    video_total_pixels: Optional[int] = video_flag("video_total_pixels")
     # data
     dataset_name: str = field(default=TINY_DATASET, metadata={
         "help": "hub name, save_to_disk folder or data file; 'synthetic:shapes' makes one"})
@@ -112,7 +94,9 @@ class SFTConfig(HubDatasetFlags, OptimizerFlags):
     chat_template_path: Optional[str] = field(default=None, metadata={"help": (
         "a .jinja file or a tokenizer folder whose chat template replaces the model's (TRL's flag), e.g. one with a "
         "tool format; none: the model's own")})
-    # optimisation
+    # training
+    per_device_train_batch_size: int = 8  # conversations per process per micro-batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     learning_rate: float = 2e-5  # AdamW peak learning rate
     lr_scheduler_type: str = "linear"  # transformers LR schedule; constant ignores --warmup_ratio
     warmup_ratio: float = 0.0  # fraction of the steps with linear LR warmup
@@ -120,34 +104,25 @@ class SFTConfig(HubDatasetFlags, OptimizerFlags):
     max_grad_norm: float = 1.0  # clip the gradient norm to this; 0: no clipping
     num_train_epochs: float = 1.0  # passes over the data when --max_steps <= 0 (may be fractional)
     max_steps: int = -1  # optimizer steps to run; <= 0: from --num_train_epochs
-    per_device_train_batch_size: int = 8  # conversations per process per micro-batch
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     seed: int = 42  # seed of data order and init
+    # distributed
     cpu_threads: Optional[int] = field(default=None, metadata={
         "help": "torch threads per process without a GPU; default: the cores shared evenly between this machine's "
                 "processes"})
-    # held-out evaluation (greedy answer accuracy on CRYSTAL VQA rows)
-    eval_dataset_name: Optional[str] = field(default=None,
-                                             metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
-    eval_split: str = "test"  # split of --eval_dataset_name
-    eval_samples: Optional[int] = 256  # evaluate the first N questions; none: all
-    eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only after training)"})
-    eval_batch_size: int = 64  # prompts per generation batch in evaluation
-    eval_max_new_tokens: int = 128  # max tokens per greedy evaluation answer
-    # run
+    # logging
     output_dir: str = "outputs/sft"  # checkpoints, logs, metrics and config.yaml go here
     logging_steps: int = 1  # log metrics every N optimizer steps
-    save_steps: int = 500  # checkpoint every N optimizer steps and at the end
-    save_total_limit: Optional[int] = None  # keep the newest N checkpoints; none: keep all
-    resume_from_checkpoint: Optional[str] = None  # checkpoint folder, or latest (newest in --output_dir); none: fresh
     report_to: Optional[str] = field(default="tensorboard",
                                      metadata={"help": "tensorboard, wandb, trackio, all or none"})
-    push_to_hub: bool = False  # upload every checkpoint to --hub_model_id (in the background)
-    hub_model_id: Optional[str] = None  # Hub repository for --push_to_hub
-    overwrite_output_dir: bool = run_flag("overwrite_output_dir")
-    hub_private_repo: Optional[bool] = run_flag("hub_private_repo")
-    ddp_timeout: int = run_flag("ddp_timeout")
-    max_skipped_steps: int = run_flag("max_skipped_steps")
+    # checkpoints and hub
+    save_steps: int = 500  # checkpoint every N optimizer steps and at the end
+    # held-out evaluation (greedy answer accuracy on VQA rows)
+    eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only after training)"})
+
+
+def parse_args(argv=None):
+    """The run's config: flags over --config's recipe, or over the tiny one (tiny.cache.tiny_recipe)."""
+    return parse_config(SFTConfig, argv, default_recipe=tiny_recipe(TINY_SFT_RECIPE, "model_name_or_path"))
 
 
 def validate(cfg):
@@ -217,13 +192,51 @@ def conversation(cfg, row):
                             system_prompt=cfg.system_prompt)
 
 
+def encode_micro_batch(cfg, sampler, dataset, processor, accelerator, video_budget):
+    """The next B conversations of this process (every process draws the same indices and keeps its slice),
+    encoded with their labels (utils.core.sft_data.encode_sft_batch)."""
+    B, rank, world = cfg.per_device_train_batch_size, accelerator.process_index, accelerator.num_processes
+    indices = sampler.take(B * world)[rank * B : (rank + 1) * B]
+    rows = [dataset[i] for i in indices]
+    conversations = [conversation(cfg, r) for r in rows]
+    ids = [str(r.get("id", i)) for r, i in zip(rows, indices)]
+    batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
+                             sample_ids=ids, max_length=cfg.max_length, videos=[videos_of(r) for r in rows],
+                             video_budget=video_budget, tools=[sharegpt_tools(r) for r in rows])
+    return batch.to(accelerator.device)
+
+
+def optimisation_step(cfg, accelerator, policy, optimizer, micro_batches, step_tokens, guard, step):
+    """Forward and backward over the step's micro-batches (gradients accumulated), clipping at --max_grad_norm, one
+    AdamW step unless `guard` refuses it (a NaN or infinite loss or gradient norm, utils/core/guards.py). Returns
+    (the step's loss on this process, the gradient norm before clipping or None, whether the optimizer stepped)."""
+    world, GA = accelerator.num_processes, cfg.gradient_accumulation_steps
+    policy.train()
+    step_loss, grad_norm, stepped = 0.0, None, True
+    clear_stale_zero3_gradients(accelerator, policy)  # a text-only step leaves the vision tower idle
+    for batch in micro_batches:
+        with accelerator.accumulate(policy):
+            # DDP averages gradients over processes, so scale by the world size; accelerate divides by GA.
+            loss = policy(batch) / step_tokens * world
+            accelerator.backward(loss * GA)
+            if accelerator.sync_gradients and cfg.max_grad_norm:
+                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            if accelerator.sync_gradients:
+                stepped = guard.step_ok(step, step_loss + loss.detach() / world, grad_norm, policy.parameters(),
+                                        optimizer)
+            if stepped:
+                optimizer.step()
+            optimizer.zero_grad()
+        step_loss += loss.detach() / world
+    return step_loss, grad_norm, stepped
+
+
 def main(cfg: SFTConfig):
     accelerator = make_accelerator(cfg, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                    mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg)
     seed_run(cfg)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    B, GA = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    B, GA, world = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, accelerator.num_processes
 
     # ---- data (validated before any model is loaded) ----
     model_path, dataset_path = resolve_tiny(cfg, accelerator)
@@ -232,10 +245,7 @@ def main(cfg: SFTConfig):
     eval_template = cfg.prompt_template or cfg.response_template
 
     # ---- model, optimiser ----
-    model, processor = load_model_and_processor(model_path, dtype=cfg.dtype,
-                                                attn_implementation=cfg.attn_implementation,
-                                                freeze_vision_tower=cfg.freeze_vision_tower, max_pixels=cfg.max_pixels,
-                                                min_pixels=cfg.min_pixels, max_anyres_num=cfg.max_anyres_num)
+    model, processor = load_model_and_processor(model_path, **model_flags(cfg))
     set_chat_template(processor, cfg.chat_template_path)
     if cfg.freeze_multi_modal_projector:
         freeze_vision_tower(model, include_projector=True)
@@ -259,47 +269,24 @@ def main(cfg: SFTConfig):
         sampler.load_state_dict(state["sampler"])
     logger, uploader = start_logging(accelerator, cfg, total_steps=max_steps, start_step=global_step)
 
-    def evaluate():
-        return evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=eval_template)
+    def evaluate(tag):  # greedy held-out accuracy; the trained model's is logged (a step's joins its row)
+        result = evaluate_policy(policy, processor, eval_set, cfg, accelerator, prompt_template=eval_template)
+        if tag == "after":
+            logger.log(global_step, {f"heldout_{k}": v for k, v in result.items()})
+        return result
 
     train_start = time.perf_counter()
-    heldout = None
     while global_step < max_steps:
         step_start = time.perf_counter()
         # ---- 1. this step's GA micro-batches; every process draws the same indices and keeps its slice ----
-        micro_batches = []
-        for _ in range(GA):
-            indices = sampler.take(B * world)[rank * B : (rank + 1) * B]
-            rows = [dataset[i] for i in indices]
-            conversations = [conversation(cfg, r) for r in rows]
-            ids = [str(r.get("id", i)) for r, i in zip(rows, indices)]
-            batch = encode_sft_batch(processor, [c[0] for c in conversations], [c[1] for c in conversations],
-                                     sample_ids=ids, max_length=cfg.max_length,
-                                     videos=[videos_of(r) for r in rows], video_budget=video_budget,
-                                     tools=[sharegpt_tools(r) for r in rows])
-            micro_batches.append(batch.to(accelerator.device))
+        micro_batches = [encode_micro_batch(cfg, sampler, dataset, processor, accelerator, video_budget)
+                         for _ in range(GA)]
         # The loss is a mean over the assistant tokens of the whole step, on all processes.
         local_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro_batches)
         step_tokens = accelerator.reduce(local_tokens.float(), "sum").clamp(min=1.0)
-
         # ---- 2. forward/backward, one optimizer step ----
-        policy.train()
-        step_loss, grad_norm, stepped = 0.0, None, True
-        clear_stale_zero3_gradients(accelerator, policy)  # a text-only step leaves the vision tower idle
-        for batch in micro_batches:
-            with accelerator.accumulate(policy):
-                # DDP averages gradients over processes, so scale by the world size; accelerate divides by GA.
-                loss = policy(batch) / step_tokens * world
-                accelerator.backward(loss * GA)
-                if accelerator.sync_gradients and cfg.max_grad_norm:
-                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                if accelerator.sync_gradients:  # a NaN or inf loss or gradient norm: no step (utils/core/guards.py)
-                    stepped = guard.step_ok(global_step + 1, step_loss + loss.detach() / world, grad_norm,
-                                            policy.parameters(), optimizer)
-                if stepped:
-                    optimizer.step()
-                optimizer.zero_grad()
-            step_loss += loss.detach() / world
+        step_loss, grad_norm, stepped = optimisation_step(cfg, accelerator, policy, optimizer, micro_batches,
+                                                          step_tokens, guard, global_step + 1)
         if stepped:
             scheduler.step()
         global_step += 1
@@ -307,9 +294,8 @@ def main(cfg: SFTConfig):
         # ---- 3. held-out accuracy, log ----
         metrics = {}
         if eval_set is not None and cfg.eval_steps and global_step % cfg.eval_steps == 0 and global_step < max_steps:
-            heldout = evaluate()
-            metrics.update({f"heldout_{k}": v for k, v in heldout.items()})
-        if global_step % cfg.logging_steps == 0 or global_step == max_steps or metrics:
+            metrics.update({f"heldout_{k}": v for k, v in evaluate(f"step{global_step}").items()})
+        if is_due(global_step, cfg.logging_steps, max_steps) or metrics:
             metrics.update({
                 "loss": accelerator.reduce(step_loss, "sum").item(),
                 "learning_rate": scheduler.get_last_lr()[0],
@@ -321,21 +307,16 @@ def main(cfg: SFTConfig):
             logger.log(global_step, metrics)
 
         # ---- 4. checkpoint (atomic) and push ----
-        if global_step % cfg.save_steps == 0 or global_step == max_steps:
-            state = dict(global_step=global_step, sampler=sampler.state_dict(), guard=guard.state_dict())
-            path = save_checkpoint(accelerator, cfg.output_dir, global_step, model=policy, processor=processor,
-                                   extra_state=state, save_total_limit=cfg.save_total_limit)
-            if uploader:
-                uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=model_path,
-                              script="train_sft.py")
+        if is_due(global_step, cfg.save_steps, max_steps):
+            save_and_push(accelerator, cfg, global_step, model=policy, processor=processor,
+                          state=dict(global_step=global_step, sampler=sampler.state_dict(), guard=guard.state_dict()),
+                          logger=logger, uploader=uploader, base_model=model_path, script="train_sft.py")
 
     summary = train_summary(global_step, train_start, logger)
-    if eval_set is not None:
-        heldout = evaluate()
-        logger.log(global_step, {f"heldout_{k}": v for k, v in heldout.items()})
-        summary.update({f"heldout_{k}": v for k, v in heldout.items()})
-        accelerator.print(f"held-out accuracy {heldout['accuracy']:.3f} ({heldout['samples']} questions, "
-                          f"format {heldout['format']:.3f})")
+    evaluate_after(accelerator, evaluate if eval_set is not None else None, summary, None,
+                   summarize=lambda after, _: {f"heldout_{k}": v for k, v in after.items()},
+                   describe=lambda r, _: [f"held-out accuracy {r['accuracy']:.3f} ({r['samples']} questions, "
+                                          f"format {r['format']:.3f})"])
     curves = [("loss_curve.png", ["loss"], 0.8)]
     if eval_set is not None:
         curves.append(("heldout_curve.png", ["heldout_accuracy"], 0.0))
@@ -346,6 +327,5 @@ def main(cfg: SFTConfig):
 if __name__ == "__main__":
     relaunch_multi_cpu_if_needed()
     watch_stage_parent()  # a stage of iterate.py ends with it, however it ends
-    # With no arguments, run the tiny CPU recipe. Bad input (data, prompts, model paths) ends in one line.
-    with exit_on_bad_input("train_sft.py"):
-        main(parse_config(SFTConfig, sys.argv[1:] or ["--config", TINY_SFT_RECIPE]))
+    with exit_on_bad_input("train_sft.py"):  # bad input (data, prompts, model paths) ends in one line
+        main(parse_args())

@@ -33,6 +33,11 @@ from utils.core.vllm_client import decode_image  # noqa: E402
 
 @dataclass
 class ServeConfig:
+    """The generation server of `train_grpo.py --use_vllm --vllm_mode server`: vLLM's engine behind TRL's `trl
+    vllm-serve` HTTP protocol, on GPUs of its own. The flags are `trl vllm-serve`'s, plus --mm_processor_kwargs and
+    --limit_mm_per_prompt for vision-language models (the server's image processor must size each image as the
+    trainer's does). docs/distributed.md."""
+
     model: str = field(metadata={"help": "hub name or folder of the model to serve (the trainer's starting model)"})
     revision: Optional[str] = None  # hub revision of --model
     tensor_parallel_size: int = 1  # GPUs the engine shards the model over

@@ -178,16 +178,17 @@ def run_ours(spec):
         suppress = train_grpo.special_token_ids_to_suppress
         train_grpo.special_token_ids_to_suppress = (
             lambda tok, eos_ids: sorted(set(suppress(tok, eos_ids)) | set(eos_ids)))
+    import utils.core.checkpoint
     import utils.core.run
 
     marks = {}
-    save = utils.core.run.save_checkpoint
+    save = utils.core.checkpoint.save_checkpoint
 
     def save_checkpoint(*a, **kw):  # the final checkpoint comes after the last step; note the peak before it
         marks.setdefault("train_peak_rss_mb", peak_rss_mb())
         return save(*a, **kw)
 
-    utils.core.run.save_checkpoint = save_checkpoint
+    utils.core.checkpoint.save_checkpoint = save_checkpoint
     cpu_marks = []  # process CPU seconds at each metrics row: robust to other jobs on a shared machine
 
     class TimedLogger(utils.core.run.RunLogger):

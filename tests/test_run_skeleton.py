@@ -1,10 +1,12 @@
 """utils/core/run.py, the run skeleton of the train scripts: the scripts call it in one order, refuse bad flags one way
-(ConfigError naming the flag), and the skeleton itself resumes a plain torch model exactly."""
+(ConfigError naming the flag), checkpoint and report held-out results through it, keep their loops three deep, and
+the skeleton itself resumes a plain torch model exactly."""
 
 import ast
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -15,6 +17,7 @@ from utils.core.checkpoint import save_checkpoint
 from utils.core.config import ConfigError
 from utils.core.run import (
     finish_run,
+    is_due,
     make_accelerator,
     prepare_training,
     resume_run,
@@ -22,6 +25,7 @@ from utils.core.run import (
     start_logging,
     train_summary,
 )
+from utils.eval.heldout import evaluate_after, evaluate_before
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("train_grpo.py", "train_sft.py", "train_mixgrpo.py")
@@ -40,6 +44,72 @@ def test_each_script_calls_the_skeleton_once_in_the_same_order(script):
     calls = [(n.lineno, n.func.id) for n in ast.walk(main)
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in SKELETON]
     assert [name for _, name in sorted(calls)] == SKELETON
+
+
+COMPOUND = (ast.For, ast.While, ast.If, ast.With, ast.Try)
+
+
+def depth(node):
+    """How deep compound statements nest from `node` down (`node` itself counting one)."""
+    below = max((depth(child) for child in ast.iter_child_nodes(node)), default=0)
+    return below + (1 if isinstance(node, COMPOUND) else 0)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_training_loop_reads_top_to_bottom_at_most_three_deep(script):
+    main = next(n for n in tree(script).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    loop = next(n for n in ast.walk(main) if isinstance(n, ast.While))
+    assert depth(loop) <= 3 and loop.end_lineno - loop.lineno < 80
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_checkpoints_and_reports_held_out_results_through_the_skeleton(script):
+    called = {n.func.id for n in ast.walk(tree(script)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"is_due", "save_and_push", "evaluate_after"} <= called and "save_checkpoint" not in called
+
+
+def test_zero3_is_tested_in_one_place():
+    """Every ZeRO-3 test goes through utils.core.zero3.is_zero3: no script or module reads the stage itself."""
+    spelled = []
+    for folder, _, files in os.walk(REPO):
+        if any(part in folder for part in ("/tests", "/.", "/outputs")):
+            continue
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(REPO, "utils", "core", "zero3.py"):
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                if "zero_stage == 3" in text or "zero_stage != 3" in text or "zero_optimization_stage()" in text:
+                    spelled.append(os.path.relpath(path, REPO))
+    assert not spelled
+
+
+def test_held_out_results_before_and_after_in_one_shape():
+    printed, calls = [], []
+
+    def evaluate(tag):
+        calls.append(tag)
+        return {"accuracy": 0.5 if tag == "before" else 0.75}
+
+    accelerator, cfg = SimpleNamespace(print=printed.append), SimpleNamespace(eval_before=True)
+    before = evaluate_before(accelerator, evaluate, {}, cfg, 0, describe=lambda r: f"before {r['accuracy']}")
+    assert before == {"accuracy": 0.5} and printed == ["before 0.5"]
+    # a resumed run keeps its checkpoint's; without an evaluation, or with --eval_before false, there is none
+    kept = {"heldout_before": {"accuracy": 0.25}}
+    assert evaluate_before(accelerator, evaluate, kept, cfg, 7, describe=str) == {"accuracy": 0.25}
+    assert evaluate_before(accelerator, None, {}, cfg, 0, describe=str) is None
+    assert evaluate_before(accelerator, evaluate, {}, SimpleNamespace(eval_before=False), 0, describe=str) is None
+    summary = {"global_step": 3}
+    after = evaluate_after(accelerator, evaluate, summary, before,
+                           summarize=lambda a, b: {"after": a["accuracy"], "before": b["accuracy"]},
+                           describe=lambda a, b: [f"{b['accuracy']} -> {a['accuracy']}"])
+    assert after == {"accuracy": 0.75} and summary == {"global_step": 3, "after": 0.75, "before": 0.5}
+    assert printed[-1] == "0.5 -> 0.75" and calls == ["before", "after"]
+    assert evaluate_after(accelerator, None, summary, before, summarize=dict, describe=list) is None
+
+
+def test_logging_and_saving_are_due_every_n_steps_and_at_the_last():
+    assert [s for s in range(1, 11) if is_due(s, 4, 10)] == [4, 8, 10]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,16 +1,30 @@
 """ZeRO-3 on 2 CPU processes (torchrun + gloo): gathered generation and sharded log-probs (padded and packed) are
-exact."""
+exact; `is_zero3`, the one ZeRO-3 test, reads the engine or, before prepare, the run's DeepSpeed config."""
 
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from tiny.models import make_tiny_vlm
+from utils.core.zero3 import is_zero3
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_is_zero3_reads_the_engine_or_before_prepare_the_config():
+    plugin = SimpleNamespace(zero_stage=3)
+    deepspeed = SimpleNamespace(distributed_type=SimpleNamespace(name="DEEPSPEED"),
+                                state=SimpleNamespace(deepspeed_plugin=plugin))
+    assert is_zero3(deepspeed) and is_zero3(deepspeed, SimpleNamespace(zero_optimization_stage=lambda: 3))
+    assert not is_zero3(deepspeed, SimpleNamespace(zero_optimization_stage=lambda: 2))
+    plugin.zero_stage = 2
+    assert not is_zero3(deepspeed)
+    ddp = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_CPU"))
+    assert not is_zero3(ddp) and not is_zero3(ddp, object())
 
 
 @pytest.mark.slow

@@ -415,6 +415,19 @@ def resolve_tiny_name(name):
     return TINY_MODELS[name]() if name in TINY_MODELS else name
 
 
+def tiny_recipe(recipe, *model_flags):
+    """A script's default recipe (utils.core.config.parse_config's `default_recipe`): with no --config, `recipe` (a
+    tiny one) is read under the flags given, so that each flag changes only itself; unless one of `model_flags` (the
+    flags that name a model, or an endpoint that serves one) is given something other than a tiny model name (or
+    none): a run on a model of its own starts from the script's defaults, as with a --config."""
+    def pick(given):
+        own = [flag for flag in model_flags if given.get(flag) is not None
+               and str(given[flag]).lower() not in ("none", "null") and given[flag] not in TINY_MODELS]
+        return None if own else recipe
+
+    return pick
+
+
 def _tiny_sft_spec():
     with open(TINY_SFT_RECIPE) as f:
         return {"recipe": f.read(), "model": TINY_VLM, "data": SHAPES_SPLITS}

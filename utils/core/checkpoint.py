@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from utils.core.checkpoint_files import fsync_dir, fsync_tree, verify_training_state, write_manifest
+from utils.core.config import config_to_dict
 from utils.core.guards import RunStopped
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -219,3 +220,17 @@ def load_checkpoint(accelerator, path) -> dict:
     verify_training_state(accelerator, path / TRAINING_STATE_DIR)
     accelerator.load_state(str(path / TRAINING_STATE_DIR))
     return json.loads((path / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+
+
+def save_and_push(accelerator, cfg, step, *, model, processor, state, logger, uploader, base_model, script,
+                  extra_saves=None, **card):
+    """The step's checkpoint (atomic, `save_checkpoint`: the prepared `model`, optimizer,
+    scheduler, RNG, the script's `state` and `extra_saves`; --save_total_limit kept), then, with --push_to_hub, its
+    upload in the background with the recipe, the last metrics and the model card's `base_model`, `script` and
+    `card` extras. Returns the checkpoint's path."""
+    path = save_checkpoint(accelerator, cfg.output_dir, step, model=model, processor=processor, extra_state=state,
+                           save_total_limit=cfg.save_total_limit, extra_saves=extra_saves)
+    if uploader:
+        uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=base_model,
+                      script=script, **card)
+    return path

@@ -2,8 +2,10 @@
 
 Each script declares its hyper-parameters in one dataclass at the top (cleanRL style, TRL names) and calls
 ``parse_config(Config)``. A recipe YAML (``--config recipe.yaml``) sets the same keys; flags on the command line
-override it. Field metadata may declare ``help`` and ``choices``; ``Literal[...]`` annotations act as choices too.
-A config's ``TRL_FLAGS`` table adds TRL's flags that have no field of their own (utils.core.trl_flags).
+override it (a script may name a recipe read when no ``--config`` is given: ``default_recipe``). Field metadata may
+declare ``help`` and ``choices``; ``Literal[...]`` annotations act as choices too. Flag groups, comments as help and
+the description come from the class's source (utils.core.config_notes). A config's ``TRL_FLAGS`` table adds TRL's
+flags that have no field of their own (utils.core.trl_flags).
 
 Value syntax (command line):
   bool          ``--flag`` | ``--flag true`` | ``--flag false`` (also yes/no, 1/0, on/off)
@@ -26,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from utils.core.config_notes import description, flag_groups, source_notes
 from utils.core.secrets import recipe_without_secrets, redact
 from utils.core.trl_flags import add_foreign_flags, comma_list, foreign_reference, take_foreign
 
@@ -102,7 +105,7 @@ def _specs(config_cls) -> dict[str, _FieldSpec]:
         raise TypeError(f"{config_cls!r} is not a dataclass")
     hints = typing.get_type_hints(config_cls)
     specs = {f.name: _field_spec(f, hints[f.name]) for f in dataclasses.fields(config_cls) if f.init}
-    _, comments = _source_notes(config_cls)
+    _, comments = source_notes(config_cls)
     specs = {name: spec if spec.help or name not in comments else dataclasses.replace(spec, help=comments[name])
              for name, spec in specs.items()}
     if "config" in specs:
@@ -227,26 +230,30 @@ def _fmt_default(f: dataclasses.Field):
 
 
 def build_parser(config_cls, prog: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per field. Defaults are SUPPRESSed so only flags actually given appear
-    in the namespace: that is how the command line overrides the YAML and not the other way round."""
+    """An argparse parser with one flag per field, in the groups of the class's headings (`flag_groups`). Defaults
+    are SUPPRESSed so only flags actually given appear in the namespace: that is how the command line overrides
+    the YAML and not the other way round."""
     specs = _specs(config_cls)
-    parser = _Parser(prog=prog, description=(config_cls.__doc__ or "").strip() or None,
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser = _Parser(prog=prog, usage="%(prog)s [-h] [--config RECIPE.yaml] [--FLAG VALUE ...]",
+                     description=description(config_cls), argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe; command line flags override it")
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    add_foreign_flags(parser, config_cls)
-    for name, spec in specs.items():
-        flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        help_text = spec.help
-        if spec.choices is not None:
-            help_text = f"{help_text} {{{', '.join(map(str, spec.choices))}}}".strip()
-        help_text = f"{help_text} (default: {_fmt_default(fields[name])})".strip().replace("%", "%%")
-        if spec.base is bool and not spec.is_list:
-            parser.add_argument(*flags, dest=name, nargs="?", const="true", metavar="true|false", help=help_text)
-        elif spec.is_list:
-            parser.add_argument(*flags, dest=name, nargs="+", metavar=spec.base.__name__.upper(), help=help_text)
-        else:
-            parser.add_argument(*flags, dest=name, metavar=spec.base.__name__.upper(), help=help_text)
+    for heading, names in flag_groups(config_cls):
+        group = parser.add_argument_group(heading) if heading else parser
+        for name in names:
+            spec = specs[name]
+            flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+            help_text = spec.help
+            if spec.choices is not None:
+                help_text = f"{help_text} {{{', '.join(map(str, spec.choices))}}}".strip()
+            help_text = f"{help_text} (default: {_fmt_default(fields[name])})".strip().replace("%", "%%")
+            if spec.base is bool and not spec.is_list:
+                group.add_argument(*flags, dest=name, nargs="?", const="true", metavar="true|false", help=help_text)
+            elif spec.is_list:
+                group.add_argument(*flags, dest=name, nargs="+", metavar=spec.base.__name__.upper(), help=help_text)
+            else:
+                group.add_argument(*flags, dest=name, metavar=spec.base.__name__.upper(), help=help_text)
+    add_foreign_flags(parser, config_cls)  # TRL's flags without a field here: the last group
     return parser
 
 
@@ -273,14 +280,20 @@ def load_yaml_recipe(config_cls, path: str | Path) -> dict:
     return values
 
 
-def parse_config(config_cls, argv: list[str] | None = None):
-    """Build a `config_cls` instance from defaults <- `--config` YAML <- command line flags."""
+def parse_config(config_cls, argv: list[str] | None = None, *, default_recipe=None):
+    """Build a `config_cls` instance from defaults <- `--config` YAML <- command line flags.
+
+    `default_recipe`: the recipe read in place of a `--config` the command line does not give, so that each flag
+    given changes only itself: a path, or a function of the flags given ({name: value as typed}) that returns a
+    path or None (no recipe: the defaults)."""
     parser = build_parser(config_cls)
     namespace = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     given = vars(namespace)
     specs = _specs(config_cls)
-    values = load_yaml_recipe(config_cls, given.pop("config")) if given.get("config") else {}
-    given.pop("config", None)
+    recipe = given.pop("config", None)
+    if recipe is None and default_recipe is not None:
+        recipe = default_recipe(dict(given)) if callable(default_recipe) else default_recipe
+    values = load_yaml_recipe(config_cls, recipe) if recipe else {}
     values.update(take_foreign(config_cls, specs, given, "argument", _convert, ConfigError))
     for name, raw in given.items():
         values[name] = _convert(specs[name], raw, f"argument --{name}")
@@ -328,59 +341,35 @@ def choice(*options, help=""):
     return dataclasses.field(default=options[0], metadata={"choices": list(options), "help": help})
 
 
-# --------------------------------------------------------------------------------------------------
 # Flag reference: docs/flags.md is generated from the config dataclasses, so it cannot drift from them.
 
 
-def _source_notes(config_cls) -> tuple[dict[str, str], dict[str, str]]:
-    """From the class body: field name -> the `# heading` comment above it ("" before the first), and field
-    name -> its trailing `# comment` (the help text of fields without a `help` in their metadata)."""
-    import inspect
-
-    try:
-        source = inspect.getsource(config_cls).splitlines()[1:]
-    except (OSError, TypeError):  # defined in a REPL or an exec'd string
-        return {}, {}
-    heading, sections, comments = "", {}, {}
-    for line in source:
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            heading = stripped.lstrip("# ").strip()
-            continue
-        name = stripped.split(":", 1)[0].strip()
-        if not name.isidentifier():
-            continue
-        sections.setdefault(name, heading)
-        code, hash_, comment = stripped.partition("  # ")
-        if hash_ and code.count('"') % 2 == 0:
-            comments.setdefault(name, comment.strip())
-    return sections, comments
-
-
 def flag_reference(config_cls, title: str) -> str:
-    """A Markdown section listing every flag of a config: name, default, choices and help, grouped by heading."""
-    specs, (sections, _) = _specs(config_cls), _source_notes(config_cls)
+    """A Markdown section listing every flag of a config: name, default, choices and help, in the groups `--help`
+    shows (`flag_groups`), after the class's description."""
+    specs = _specs(config_cls)
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    lines, current = [f"## {title}", ""], None
-    for name, spec in specs.items():
-        section = sections.get(name, "")
-        if section != current:
-            current = section
-            lines += ([""] if lines[-1] else []) + ([f"**{section}**", ""] if section else [])
-            lines += ["| flag | default | meaning |", "|---|---|---|"]
-        default = json.dumps(_plain(_fmt_default(fields[name])))
-        meaning = spec.help + (f" one of {{{', '.join(map(str, spec.choices))}}}" if spec.choices else "")
-        lines.append(f"| `--{name}` | `{default}` | {meaning.strip().replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
+    lines = [f"## {title}", ""] + ([" ".join(description(config_cls).split()), ""] if description(config_cls) else [])
+    for heading, names in flag_groups(config_cls):
+        lines += ([f"**{heading}**", ""] if heading else []) + ["| flag | default | meaning |", "|---|---|---|"]
+        for name in names:
+            spec = specs[name]
+            default = json.dumps(_plain(_fmt_default(fields[name])))
+            meaning = spec.help + (f" one of {{{', '.join(map(str, spec.choices))}}}" if spec.choices else "")
+            lines.append(f"| `--{name}` | `{default}` | {meaning.strip().replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines[:-1]) + "\n"
 
 
 FLAGS_HEADER = """# Flag reference
 
 Generated from the config dataclasses at the top of each script by `make docs`
 (`python -m utils.core.config docs/flags.md ...`); a test fails when this file is stale. Every flag is also a key of
-a recipe YAML (`--config recipe.yaml`), and flags given on the command line override the recipe. Booleans take
-`--flag`, `--flag true|false`; lists take space- or comma-separated values; `none` sets an optional value to
-None; dicts take JSON.
+a recipe YAML (`--config recipe.yaml`), and flags given on the command line override the recipe. Without `--config`
+the training scripts, iterate.py and distill.py read their tiny recipe under the flags given (each flag changes only
+itself), unless a flag names a model (or an endpoint) that is not a tiny one: the defaults below then apply. Booleans
+take `--flag`, `--flag true|false`; lists take space- or comma-separated values; `none` sets an optional value to
+None; dicts take JSON. `python <script>.py --help` prints the same groups.
 """
 
 

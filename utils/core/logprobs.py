@@ -8,7 +8,7 @@ from torch import nn
 
 from kernels import fused_token_logprobs
 from utils.core.encoding import check_features_match_tokens
-from utils.core.models import activation_checkpointing_on, adapters_disabled, load_model_and_processor
+from utils.core.models import activation_checkpointing_on, adapters_disabled, load_model_and_processor, model_flags
 from utils.core.packing import packed_completion_hidden
 from utils.core.rollout import cache_kwargs
 from utils.core.trajectories import PIXEL_KEYS, full_side, has_media, sequence_media, side_keys
@@ -214,9 +214,7 @@ def prepare_reference_model(cfg, model_path, policy, accelerator, padding_free=F
     """
     if cfg.use_peft:
         return AdapterDisabledReference(policy, accelerator)
-    ref, _ = load_model_and_processor(model_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
-                                      max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
-                                      max_anyres_num=cfg.max_anyres_num)
+    ref, _ = load_model_and_processor(model_path, **model_flags(cfg, freeze_vision_tower=False))
     ref.requires_grad_(False)
     ref = CompletionLogProbs(ref, padding_free=padding_free).eval()
     if accelerator.distributed_type.name == "DEEPSPEED":

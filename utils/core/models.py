@@ -1,5 +1,5 @@
 """Load any HF VLM or LLM with its processor and prepare it for training (vision tower frozen, LoRA,
-gradient checkpointing)."""
+gradient checkpointing); `model_flags` reads a script's flags for the loader (utils.core.flags)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,15 @@ def load_model_and_processor(
     if freeze_vision_tower:
         _freeze_vision_tower(model)  # the flag shadows the function's name here
     return model, processor
+
+
+def model_flags(cfg, **overrides) -> dict:
+    """The keyword arguments of `load_model_and_processor` that a script's flags give, one spelling for every
+    script: --dtype, --attn_implementation, --freeze_vision_tower (off where the script has no such flag) and the
+    image processor's --max_pixels, --min_pixels, --max_anyres_num; `overrides` win."""
+    return dict(dict(dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                     freeze_vision_tower=getattr(cfg, "freeze_vision_tower", False), max_pixels=cfg.max_pixels,
+                     min_pixels=cfg.min_pixels, max_anyres_num=getattr(cfg, "max_anyres_num", None)), **overrides)
 
 
 def _configure_image_processor(processor, name, min_pixels, max_pixels, max_anyres_num):

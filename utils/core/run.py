@@ -7,23 +7,27 @@
     model, optimizer, scheduler = prepare_training(accelerator, cfg, model, params, ...)
     state, resume_path = resume_run(accelerator, cfg)
     logger, uploader = start_logging(accelerator, cfg, ...)
-    ... evaluate before, the training loop (in the script), each step ending with
+    heldout_before = evaluate_before(accelerator, evaluate, state, cfg, global_step, describe=...)
+    ... the training loop (in the script), each step ending with
         if is_due(step, cfg.logging_steps, max_steps): logger.log(step, ...)
         if is_due(step, cfg.save_steps, max_steps): save_and_push(accelerator, cfg, step, ...)
-    ... evaluate after ...
-    finish_run(accelerator, cfg, logger, uploader, train_summary(...), curves=...)
+    summary = train_summary(...)
+    evaluate_after(accelerator, evaluate, summary, heldout_before, summarize=..., describe=...)
+    finish_run(accelerator, cfg, logger, uploader, summary, curves=...)
 
-What differs between the scripts (the loop, the checkpoint contents, the evaluation) stays in the script.
+Three of these live beside what they do and are named here too: `train_summary` (utils.core.tracking),
+`save_and_push` (utils.core.checkpoint), `evaluate_before` / `evaluate_after` (utils.eval.heldout, around the
+script's own `evaluate(tag)`, a closure that returns a dict of results and logs them as the script does). What
+differs between the scripts (the loop, the checkpoint contents, the evaluation itself) stays in the script.
 """
 
 import os
-import time
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import get_scheduler
 
-from utils.core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from utils.core.checkpoint import load_checkpoint, resolve_resume
 from utils.core.config import ConfigError, config_to_dict, save_config
 from utils.core.fsdp import fsdp_layer_classes, init_adamw_state
 from utils.core.hub import HubUploader
@@ -31,7 +35,8 @@ from utils.core.launch import accelerator_device_kwargs, set_cpu_threads
 from utils.core.optim import build_optimizer
 from utils.core.output_dir import claim_output_dir, is_fresh, release
 from utils.core.precision import check_update_precision, deepspeed_master_weights
-from utils.core.tracking import METRICS_FILE, RunLogger, peak_memory_mb, plot_reward_curve, tracker_list, write_summary
+from utils.core.tracking import METRICS_FILE, RunLogger, plot_reward_curve, tracker_list, write_summary
+from utils.core.tracking import train_summary as train_summary  # the skeleton's, re-exported: it lives with the logs
 
 
 def make_accelerator(cfg, *, gradient_accumulation_steps=1, mixed_precision="no", find_unused_parameters=False):
@@ -52,25 +57,6 @@ def make_accelerator(cfg, *, gradient_accumulation_steps=1, mixed_precision="no"
                               project_dir=cfg.output_dir)
     claim_output_dir(accelerator, cfg)
     return accelerator
-
-
-RUN_FLAGS = {  # the skeleton's own flags, the same in every train script: name -> (default, help)
-    "overwrite_output_dir": (False, "a fresh run into an --output_dir that holds another run deletes that run's "
-                                    "checkpoints and logs first (HF's flag); without it such a run is refused"),
-    "hub_private_repo": (None, "create the --hub_model_id repository private (HF's flag); none: the Hub's default "
-                               "visibility (public)"),
-    "ddp_timeout": (1800, "seconds a collective waits for the other processes before the run fails (HF's flag)"),
-    "max_skipped_steps": (3, "stop after this many optimizer steps in a row skipped for a NaN or infinite loss or "
-                             "gradient norm (utils/core/guards.py)"),
-}
-
-
-def run_flag(name: str):
-    """A fresh dataclass field for one of RUN_FLAGS (the same default and help in every script)."""
-    from dataclasses import field
-
-    default, help_text = RUN_FLAGS[name]
-    return field(default=default, metadata={"help": help_text})
 
 
 def check_run_flags(cfg):
@@ -151,27 +137,6 @@ def start_logging(accelerator, cfg, *, total_steps, start_step):
 def is_due(step, every, last_step):
     """True at every `every`-th step and at the last one (--logging_steps, --save_steps, --eval_steps)."""
     return step % every == 0 or step == last_step
-
-
-def save_and_push(accelerator, cfg, step, *, model, processor, state, logger, uploader, base_model, script,
-                  extra_saves=None, **card):
-    """The step's checkpoint (atomic, utils.core.checkpoint.save_checkpoint: the prepared `model`, optimizer,
-    scheduler, RNG, the script's `state` and `extra_saves`; --save_total_limit kept), then, with --push_to_hub, its
-    upload in the background with the recipe, the last metrics and the model card's `base_model`, `script` and
-    `card` extras. Returns the checkpoint's path."""
-    path = save_checkpoint(accelerator, cfg.output_dir, step, model=model, processor=processor, extra_state=state,
-                           save_total_limit=cfg.save_total_limit, extra_saves=extra_saves)
-    if uploader:
-        uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=base_model,
-                      script=script, **card)
-    return path
-
-
-def train_summary(global_step, train_start, logger):
-    """The start of train_summary.json: steps, seconds since `train_start` (time.perf_counter), peak memory and the
-    last logged metrics. Taken before the final evaluation, whose results the script adds."""
-    return dict(global_step=global_step, train_runtime=time.perf_counter() - train_start,
-                peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
 
 
 def finish_run(accelerator, cfg, logger, uploader, summary, curves=()):

@@ -300,6 +300,14 @@ def peak_memory_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
+def train_summary(global_step, train_start, logger):
+    """The start of train_summary.json (`write_summary`; a step of the run skeleton, utils.core.run): steps,
+    seconds since `train_start` (time.perf_counter), peak memory and the last logged metrics. Taken before the
+    final evaluation, whose results the script adds."""
+    return dict(global_step=global_step, train_runtime=time.perf_counter() - train_start,
+                peak_memory_mb=peak_memory_mb(), **(logger.last_metrics or {}))
+
+
 def write_summary(output_dir, summary: dict) -> str:
     """train_summary.json: final metrics, timings, memory; read by benchmarks and the model card."""
     path = Path(output_dir) / SUMMARY_FILE

@@ -109,7 +109,7 @@ def check_video_flags(fps=None, max_frames=None, min_pixels=None, max_pixels=Non
 
 
 def check_config_video_flags(cfg) -> None:
-    """`check_video_flags` on a script's config (its `video_flag` fields), for its validate()."""
+    """`check_video_flags` on a script's config (utils.core.models.ImageVideoFlags), for its validate()."""
     check_video_flags(cfg.fps, cfg.max_frames, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels)
 
 
@@ -337,25 +337,8 @@ def check_video_tokens(processor, input_ids, video_grid_thw, clips_per_row, samp
                              "placeholder")
 
 
-VIDEO_FLAG_HELP = {
-    "fps": "video frames sampled per second (a frame folder or list counts as a clip at this rate); none: 2",
-    "max_frames": "most frames per video, floored to the model's temporal patch; none: the video processor's",
-    "video_max_pixels": "max pixels per video frame (Qwen-style video processors); none: the video processor's",
-    "video_min_pixels": "min pixels per video frame (Qwen-style video processors); none: the video processor's",
-    "video_total_pixels": "pixels per video, shared by its frames (qwen-vl-utils' total_pixels); none: 128000 "
-                          "tokens' worth x 0.9",
-}
-
-
-def video_flag(name: str):
-    """A fresh dataclass field for one of the video budget flags (the same help in every script)."""
-    from dataclasses import field
-
-    return field(default=None, metadata={"help": VIDEO_FLAG_HELP[name]})
-
-
 def budget_from_config(processor, cfg) -> VideoBudget:
-    """The budget of a script's flags (`video_flag` fields)."""
+    """The budget of a script's flags (utils.core.models.ImageVideoFlags)."""
     return budget_for(processor, fps=cfg.fps, max_frames=cfg.max_frames, min_pixels=cfg.video_min_pixels,
                       max_pixels=cfg.video_max_pixels, total_pixels=cfg.video_total_pixels)
 

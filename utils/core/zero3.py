@@ -15,9 +15,15 @@ import contextlib
 from utils.core.fsdp import fsdp2_unsharded
 
 
-def is_zero3(accelerator, model):
-    """True when `model` (the prepared model) is a DeepSpeed engine sharded with ZeRO stage 3."""
-    return accelerator.distributed_type.name == "DEEPSPEED" and model.zero_optimization_stage() == 3
+def is_zero3(accelerator, model=None):
+    """True when `model` (the prepared model) is a DeepSpeed engine sharded with ZeRO stage 3; without a model
+    (before `accelerator.prepare`), when the run's DeepSpeed config asks for stage 3. The one ZeRO-3 test of the
+    train scripts."""
+    if accelerator.distributed_type.name != "DEEPSPEED":
+        return False
+    if model is None:
+        return accelerator.state.deepspeed_plugin.zero_stage == 3
+    return model.zero_optimization_stage() == 3
 
 
 @contextlib.contextmanager

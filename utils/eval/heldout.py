@@ -1,5 +1,7 @@
 """Held-out evaluation: generate answers for a VQA set (locally, or from an OpenAI-compatible server) and grade
-them. Shared by evaluate.py and the train scripts' before/after checks; the grading itself is `utils.eval.grading`.
+them. Shared by evaluate.py and the train scripts' before/after checks, which all three run in one shape
+(`evaluate_before`, `evaluate_after` around the script's own `evaluate(tag)`); the grading itself is
+`utils.eval.grading`.
 
 Generation is greedy with temperature <= 0; with temperature > 0 each row is sampled with its own
 counter-based seed (utils.core.seeds), so results never depend on batch size or process count.
@@ -198,3 +200,26 @@ def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_tem
                                 max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
                                 accelerator=accelerator, video_budget=budget,
                                 prompt_column=getattr(cfg, "prompt_column", None), tools=tools)
+
+
+def evaluate_before(accelerator, evaluate, state, cfg, step, *, describe):
+    """The starting model's held-out results: `evaluate("before")` at step 0 with --eval_before (printing
+    `describe(results)`), a resumed run's from its checkpoint state ("heldout_before"), None without an evaluation
+    (`evaluate` None)."""
+    if evaluate is None or not cfg.eval_before or step != 0:
+        return state.get("heldout_before")
+    before = evaluate("before")
+    accelerator.print(describe(before))
+    return before
+
+
+def evaluate_after(accelerator, evaluate, summary, before, *, summarize, describe):
+    """The trained model's held-out results, `evaluate("after")`: their entries added to the run's `summary`
+    (`summarize(after, before)`) and the lines of `describe(after, before)` printed. None without an evaluation."""
+    if evaluate is None:
+        return None
+    after = evaluate("after")
+    summary.update(summarize(after, before))
+    for line in describe(after, before):
+        accelerator.print(line)
+    return after

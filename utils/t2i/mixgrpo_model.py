@@ -13,7 +13,13 @@ import torch
 from utils.core.config import ConfigError
 from utils.core.errors import InputError
 from utils.core.logprobs import CompletionLogProbs, hf_core
-from utils.core.models import adapters_disabled, disable_dropout, load_model_and_processor, prepare_for_training
+from utils.core.models import (
+    adapters_disabled,
+    disable_dropout,
+    load_model_and_processor,
+    model_flags,
+    prepare_for_training,
+)
 from utils.core.rollout import check_no_logits_shaping
 from utils.t2i.adapters import load_flow_generator
 from utils.t2i.generators import Guidance, step_logprob
@@ -47,9 +53,7 @@ def image_logprobs(gen, cond, steps, *, reference=False):
 
 def build_policy(cfg, vlm_path, gen_path, device):
     """(VLM, processor, CompletionLogProbs(VLM), generator made trainable, its trainable parameters)."""
-    model, processor = load_model_and_processor(vlm_path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
-                                                freeze_vision_tower=cfg.freeze_vision_tower,
-                                                max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels)
+    model, processor = load_model_and_processor(vlm_path, **model_flags(cfg))
     check_no_logits_shaping(model)  # before any compute: a sampler the log-probs cannot score
     model = prepare_for_training(model, cfg)  # with --freeze_vision_tower, its LoRA too
     if cfg.disable_dropout:  # rollout log-probs come from eval(), the loss's from train(): dropout breaks ratio 1

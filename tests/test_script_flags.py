@@ -1,0 +1,94 @@
+"""The scripts' command lines: without --config the tiny recipe runs under the flags given (each flag changes only
+itself), --config replaces it, a model of one's own starts from the defaults; --help opens with a paragraph and
+lists every flag in a group; the image/video flag group and the model loader's flags are shared."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+import distill
+import evaluate
+import iterate
+import train_grpo
+import train_mixgrpo
+import train_sft
+from utils.core.config import build_parser, flag_groups, parse_config
+from utils.core.flags import ImageVideoFlags
+from utils.core.models import model_flags
+
+# script, its config class, its tiny recipe, a model flag and a model of one's own for it
+SCRIPTS = [
+    (train_grpo, train_grpo.GRPOConfig, train_grpo.TINY_RECIPE, "model_name_or_path"),
+    (train_sft, train_sft.SFTConfig, train_sft.TINY_SFT_RECIPE, "model_name_or_path"),
+    (train_mixgrpo, train_mixgrpo.MixGRPOConfig, train_mixgrpo.TINY_MIXGRPO_RECIPE, "generator_name_or_path"),
+    (iterate, iterate.IterateConfig, iterate.TINY_CYCLES_RECIPE, "base_model"),
+    (distill, distill.DistillConfig, distill.TINY_DISTILL_RECIPE, "reasoner_base_url"),
+]
+IDS = [script.__name__ for script, *_ in SCRIPTS]
+
+
+def recipe_of(path):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("script,config,recipe,_", SCRIPTS, ids=IDS)
+def test_a_flag_changes_only_itself_over_the_tiny_recipe(script, config, recipe, _):
+    tiny = parse_config(config, ["--config", recipe])
+    assert script.parse_args([]) == tiny  # no flags: the tiny recipe
+    seeded = script.parse_args(["--seed", "7"])
+    assert seeded == dataclasses.replace(tiny, seed=7) and tiny.seed != 7
+    if "max_steps" in recipe_of(recipe):  # the demo for longer: the same recipe, more steps
+        assert script.parse_args(["--max_steps", "100"]) == dataclasses.replace(tiny, max_steps=100)
+
+
+@pytest.mark.parametrize("script,config,recipe,model_flag", SCRIPTS, ids=IDS)
+def test_a_model_of_ones_own_or_a_config_starts_from_the_defaults(script, config, recipe, model_flag, tmp_path):
+    own = script.parse_args([f"--{model_flag}", "/models/mine", "--seed", "7"])
+    assert own == dataclasses.replace(config(), **{model_flag: "/models/mine", "seed": 7})
+    other = tmp_path / "other.yaml"
+    other.write_text("seed: 5\n")
+    assert script.parse_args(["--config", str(other)]) == dataclasses.replace(config(), seed=5)
+    # the tiny recipe's own model names keep it
+    if model_flag != "reasoner_base_url":
+        tiny = parse_config(config, ["--config", recipe])
+        assert script.parse_args([f"--{model_flag}", "tiny"]) == dataclasses.replace(tiny, **{model_flag: "tiny"})
+
+
+@pytest.mark.parametrize("config", [c for _, c, *_ in SCRIPTS] + [evaluate.EvalConfig], ids=IDS + ["evaluate"])
+def test_help_opens_with_a_paragraph_then_groups(config, capsys):
+    with pytest.raises(SystemExit):  # what `python <script>.py --help` prints (its parse_args builds this parser)
+        parse_config(config, ["--help"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].endswith("[-h] [--config RECIPE.yaml] [--FLAG VALUE ...]") and lines[1] == ""
+    paragraph = lines[2:lines.index("", 2)]
+    assert len(paragraph) >= 2 and "Config(" not in out  # a description, not the dataclass's signature
+    assert out.count(":\n  --") >= 4  # flags under group headings
+
+
+@pytest.mark.parametrize("config", [c for _, c, *_ in SCRIPTS] + [evaluate.EvalConfig],
+                         ids=IDS + ["evaluate"])
+def test_every_flag_is_in_a_named_group_with_a_help(config):
+    groups = flag_groups(config)
+    assert all(heading for heading, _ in groups), [names for heading, names in groups if not heading]
+    parser_help = {a.dest: a.help for a in build_parser(config)._actions}
+    assert all(parser_help[name].split(" (default:")[0] for _, names in groups for name in names)
+
+
+def test_the_image_and_video_flags_are_one_group_the_three_scripts_include():
+    shared = [f.name for f in dataclasses.fields(ImageVideoFlags)]
+    for config in (train_grpo.GRPOConfig, train_sft.SFTConfig, evaluate.EvalConfig):
+        assert issubclass(config, ImageVideoFlags)
+        assert dict(flag_groups(config))["image and video inputs"] == shared
+
+
+def test_model_flags_spell_the_loaders_arguments_once():
+    cfg = train_grpo.GRPOConfig(dtype="float32", attn_implementation="eager", freeze_vision_tower=True,
+                                max_pixels=1000, min_pixels=10, max_anyres_num=2)
+    assert model_flags(cfg) == dict(dtype="float32", attn_implementation="eager", freeze_vision_tower=True,
+                                    max_pixels=1000, min_pixels=10, max_anyres_num=2)
+    # a script without --freeze_vision_tower loads unfrozen; overrides win
+    assert model_flags(evaluate.EvalConfig())["freeze_vision_tower"] is False
+    assert model_flags(cfg, freeze_vision_tower=False)["freeze_vision_tower"] is False
