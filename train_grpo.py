@@ -80,7 +80,7 @@ from utils.core.video import budget_from_config, check_config_video_flags, row_c
 from utils.core.vllm_flags import VLLM_MODES, check_vllm_flags
 from utils.core.vllm_rollout import require_vllm
 from utils.core.vllm_server_rollout import make_vllm_rollout
-from utils.core.zero3 import clear_stale_zero3_gradients, unwrap_for_generation
+from utils.core.zero3 import clear_stale_zero3_gradients, is_zero3, unwrap_for_generation
 from utils.eval.heldout import evaluate_after, evaluate_before, evaluate_policy, load_eval_set
 
 SCALES = ("group", "batch", "none")
@@ -637,10 +637,9 @@ def main(cfg: GRPOConfig):
                               max_videos_per_prompt=max_videos, video_budget=video_budget) if cfg.use_vllm else None)
     # the HF rollout's static KV cache and compiled decode step, built once and reused
     # (utils/core/compiled_generation.py)
-    plugin = accelerator.state.deepspeed_plugin
     compiled = CompiledRollout() if resolve_cache_implementation(
         cfg.cache_implementation, model, device=accelerator.device, use_vllm=cfg.use_vllm,
-        zero3=(plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type.name == "FSDP",
+        zero3=is_zero3(accelerator, policy) or accelerator.distributed_type.name == "FSDP",
         notice=accelerator.print) else None
     # PCGrad projects the per-objective gradients of the whole step, averaged over processes (not DDP's hooks).
     pcgrad = PCGradAccumulator(policy.parameters(), len(reward_fns)) if cfg.use_pcgrad else None
@@ -696,12 +695,10 @@ def main(cfg: GRPOConfig):
                 vllm.sleep()  # the engine's memory goes back to training (a no-op without --vllm_enable_sleep_mode)
             # ---- 3. advantages over whole groups (the gathered rewards), this process's slice ----
             with timed(timings, "rewards"):
-                for mb in batches:
-                    add_advantages(ro, mb)
+                add_advantages(ro, *batches)
             # ---- 4. log-probs that stay fixed for this round: behaviour policy (when it moves) and reference ----
             with timed(timings, "logprob"):
-                for mb in batches:
-                    add_fixed_logprobs(mb, policy, ref_policy, cfg, behaviour=mu * steps_per_pass > 1)
+                add_fixed_logprobs(policy, ref_policy, cfg, batches, behaviour=mu * steps_per_pass > 1)
             start = 0
 
         # ---- 5. mu passes over this round's completions, each S / GA optimizer steps of GA micro-batches ----
@@ -728,17 +725,12 @@ def main(cfg: GRPOConfig):
                 inside = position + 1 < mu * steps_per_pass  # the round goes on after this step
                 state = dict(global_step=global_step, round_index=round_index + (not inside),
                              sampler=sampler.state_dict(), stage=sampler.names[sampler.stage(global_step - 1)],
-                             difficulty_levels=levels, heldout_before=heldout_before,
-                             guard=guard.state_dict())
-                saves = {}
-                if inside:  # every process joins the gathers; the main process writes
-                    state["round"], tensors = round_state(ro, batches, position + 1, reward_log, sampling)
-                    saves[ROUND_FILE] = tensors
-                if ref_sync is not None:
-                    saves[REFERENCE_FILE] = ref_sync.state_tensors()
+                             difficulty_levels=levels, heldout_before=heldout_before, guard=guard.state_dict())
+                saves = round_saves(ro, state, batches, position + 1 if inside else None, reward_log, sampling,
+                                    ref_sync)
                 save_and_push(accelerator, cfg, global_step, model=policy, processor=processor, state=state,
                               logger=logger, uploader=uploader, base_model=model_path, script="train_grpo.py",
-                              extra_saves={name: tensor_saver(name, t) for name, t in saves.items()})
+                              extra_saves=saves)
             if global_step >= max_steps:
                 break
         round_index += 1
@@ -829,33 +821,36 @@ def score_micro_batch(ro, mb, *, trainer_state, reward_log, timings):
                 mb.all_sampler_logps = [lp for part in gather_object([mine]) for lp in part]
 
 
-def add_advantages(ro, mb):
-    """Phase 3: the group-normalised advantages of the gathered rewards (one per reward function under PCGrad) and
-    this process's rows of them; which completions were cut at the length limit, and the loss mask."""
+def add_advantages(ro, *micro_batches):
+    """Phase 3, for each micro-batch: the group-normalised advantages of the gathered rewards (one per reward function
+    under PCGrad) and this process's rows of them; which completions were cut at the length limit, and the loss
+    mask."""
     cfg, L = ro.cfg, ro.layout
-    if cfg.use_pcgrad:  # one advantage per reward function, each normalised within its groups
-        mb.all_advantages = torch.stack([group_advantages(mb.rewards[:, j], L.G, scale=cfg.scale_rewards)
-                                         for j in range(len(ro.reward_fns))], dim=-1)
-    else:
-        mb.all_advantages = group_advantages(mb.rewards, L.G, weights=ro.reward_weights, scale=cfg.scale_rewards)
-    mb.advantages = mb.all_advantages[L.local].to(ro.accelerator.device)
-    # a tool trajectory also ends truncated when a tool's results do not fit (utils/core/tool_rollout.py)
-    mb.truncated = (mb.tool_truncated if mb.tool_truncated is not None
-                    else truncated_completions(mb.completion_ids, mb.completion_mask, ro.stop_ids))
-    # the loss and the KL see the model's own tokens only; a trajectory's tool tokens stay in the context
-    mb.loss_mask = (mb.sampled_mask * ~mb.truncated[:, None] if cfg.mask_truncated_completions
-                    else mb.sampled_mask)
+    for mb in micro_batches:
+        if cfg.use_pcgrad:  # one advantage per reward function, each normalised within its groups
+            mb.all_advantages = torch.stack([group_advantages(mb.rewards[:, j], L.G, scale=cfg.scale_rewards)
+                                             for j in range(len(ro.reward_fns))], dim=-1)
+        else:
+            mb.all_advantages = group_advantages(mb.rewards, L.G, weights=ro.reward_weights, scale=cfg.scale_rewards)
+        mb.advantages = mb.all_advantages[L.local].to(ro.accelerator.device)
+        # a tool trajectory also ends truncated when a tool's results do not fit (utils/core/tool_rollout.py)
+        mb.truncated = (mb.tool_truncated if mb.tool_truncated is not None
+                        else truncated_completions(mb.completion_ids, mb.completion_mask, ro.stop_ids))
+        # the loss and the KL see the model's own tokens only; a trajectory's tool tokens stay in the context
+        mb.loss_mask = (mb.sampled_mask * ~mb.truncated[:, None] if cfg.mask_truncated_completions
+                        else mb.sampled_mask)
 
 
 @torch.no_grad()
-def add_fixed_logprobs(mb, policy, ref_policy, cfg, *, behaviour):
+def add_fixed_logprobs(policy, ref_policy, cfg, batches, *, behaviour):
     """Phase 4: the log-probs that stay fixed while the round trains: the behaviour policy's (only when the round
     feeds more than one optimizer step, --num_iterations > 1 or --steps_per_generation above the step's micro-batches:
     the policy moves before the later steps, and the importance ratio against these handles it; with one step they
     equal the policy's own, detached) and the reference's (--beta)."""
-    args = (mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature)
-    mb.old_logps = policy(*args, **mb.policy_inputs()) if behaviour else None
-    mb.ref_logps = ref_policy(*args, **mb.policy_inputs()) if ref_policy else None
+    for mb in batches:
+        args = (mb.prompt_batch, mb.completion_ids, mb.completion_mask, cfg.temperature)
+        mb.old_logps = policy(*args, **mb.policy_inputs()) if behaviour else None
+        mb.ref_logps = ref_policy(*args, **mb.policy_inputs()) if ref_policy else None
 
 
 def optimisation_pass(ro, batches, *, optimizer, pcgrad, step_tokens, loss_divisor, step, timings, guard):
@@ -1192,6 +1187,18 @@ def restore_round(ro, path, saved):
         batches.append(mb)
     return dict(batches=batches, position=saved["position"], reward_metrics=saved["reward_metrics"],
                 sampling=saved["sampling"])
+
+
+def round_saves(ro, state, batches, next_position, reward_log, sampling, ref_sync):
+    """A checkpoint's tensor files ({folder: writer}, for save_and_push's extra_saves): inside a round (it goes on
+    at `next_position`) the rest of the round (`round_state`, described in `state["round"]`), and with
+    --sync_ref_model the reference's weights. Every process joins the gathers; the main process writes."""
+    saves = {}
+    if next_position is not None:
+        state["round"], saves[ROUND_FILE] = round_state(ro, batches, next_position, reward_log, sampling)
+    if ref_sync is not None:
+        saves[REFERENCE_FILE] = ref_sync.state_tensors()
+    return {name: tensor_saver(name, t) for name, t in saves.items()}
 
 
 def tensor_saver(name, tensors):

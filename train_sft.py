@@ -97,13 +97,13 @@ class SFTConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, HubD
     # training
     per_device_train_batch_size: int = 8  # conversations per process per micro-batch
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    num_train_epochs: float = 1.0  # passes over the data when --max_steps <= 0 (may be fractional)
+    max_steps: int = -1  # optimizer steps to run; <= 0: from --num_train_epochs
     learning_rate: float = 2e-5  # AdamW peak learning rate
     lr_scheduler_type: str = "linear"  # transformers LR schedule; constant ignores --warmup_ratio
     warmup_ratio: float = 0.0  # fraction of the steps with linear LR warmup
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # clip the gradient norm to this; 0: no clipping
-    num_train_epochs: float = 1.0  # passes over the data when --max_steps <= 0 (may be fractional)
-    max_steps: int = -1  # optimizer steps to run; <= 0: from --num_train_epochs
     seed: int = 42  # seed of data order and init
     # distributed
     cpu_threads: Optional[int] = field(default=None, metadata={

@@ -27,6 +27,7 @@ import contextlib
 import torch
 
 from utils.core.logprobs import AdapterDisabledReference
+from utils.core.zero3 import is_zero3
 
 
 def _unwrap(model):
@@ -51,8 +52,7 @@ class ReferenceSync:
     def __init__(self, accelerator, policy, reference, *, alpha, sync_steps):
         self.accelerator, self.policy, self.reference = accelerator, policy, reference
         self.alpha, self.sync_steps = float(alpha), int(sync_steps)
-        plugin = accelerator.state.deepspeed_plugin
-        self.zero3 = plugin is not None and plugin.zero_stage == 3
+        self.zero3 = is_zero3(accelerator)
         self.lora = isinstance(reference, AdapterDisabledReference)
         self.synced = False
         self.adapters = None
