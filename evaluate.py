@@ -70,7 +70,7 @@ class EvalConfig(ImageVideoFlags):
     one. Writes generations.jsonl, predictions.json + references.json (the crystal-metrics format), metrics.json and
     metrics.md to --output_dir. docs/flags.md lists every flag."""
 
-    # what generates
+    # model
     model: Optional[str] = field(default=None, metadata={"help": "checkpoint folder or hub name"})
     base_url: Optional[str] = field(default=None,
                                     metadata={"help": "OpenAI-compatible server (e.g. vLLM) instead of --model"})
@@ -135,13 +135,13 @@ class EvalConfig(ImageVideoFlags):
     compare: Optional[str] = field(default=None, metadata={
         "help": "another evaluate.py output (folder, generations.jsonl or predictions.json) for the keyword "
                 "comparison"})
-    # checkpoint selection
+    # model: checkpoint selection
     select_best: Optional[str] = field(default=None, metadata={"help": "score every checkpoint-N in this folder"})
     select_metric: str = choice(*SELECT_METRICS)  # metric that picks the --select_best checkpoint
     select_include: list[str] = field(default_factory=list, metadata={
         "help": "models scored with the --select_best checkpoints, before them (step 0, e.g. the run's starting "
                 "model: it wins ties)"})
-    # output
+    # logging: output
     output_dir: Optional[str] = field(default=None, metadata={
         "help": "default: outputs/eval/<model> (never inside the model's folder), or <select_best>/eval"})
 

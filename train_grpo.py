@@ -144,7 +144,7 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     cache_implementation: Optional[str] = choice(*CACHE_IMPLEMENTATIONS, help=(
         "HF rollout's KV cache (TRL's flag): dynamic is the eager decoding loop, static also compiles the decode "
         "step (CUDA graphs on a GPU), auto is static on CUDA where it can run and dynamic elsewhere; none: dynamic"))
-    # vLLM engine (with --use_vllm; docs/distributed.md)
+    # generation: vLLM engine (with --use_vllm; docs/distributed.md)
     vllm_mode: str = choice(*VLLM_MODES, help=(
         "colocate: an engine inside every training process; server: a generation server on other GPUs "
         "(python vllm_serve.py: TRL's trl vllm-serve protocol), weights pushed after every optimizer step"))
@@ -171,7 +171,7 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     vllm_importance_sampling_mode: str = choice(*IS_MODES, help=(
         "per-token or per-sequence ratio; truncate: cut at --vllm_importance_sampling_cap, mask: drop above it"))
     vllm_importance_sampling_cap: float = 3.0  # C, the largest importance weight kept (TRL's default)
-    # tools (docs/tools.md)
+    # generation: tools (docs/tools.md)
     tools: list[str] = field(default_factory=list, metadata={"help": (
         "functions the policy may call while it answers: crop_image, zoom_image, rotate_image or module:function "
         "(TRL's tools); none: single-turn rollouts")})
@@ -210,7 +210,7 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     entropy_threshold: float = field(default=ENTROPY_THRESHOLD, metadata={"help": (
         "entropy (nats) above which a token counts in the logged entropy_high_frac")})
     use_pcgrad: bool = field(default=False, metadata={"help": "one loss per reward, gradients combined with PCGrad"})
-    # difficulty curriculum (OpenVLThinker)
+    # data: difficulty curriculum (OpenVLThinker)
     curriculum: list[str] = field(default_factory=list, metadata={"help": "stages in order, e.g. medium,hard"})
     difficulty_column: str = "difficulty"  # column of easy/medium/hard labels (with --difficulty_samples 0)
     difficulty_samples: int = field(default=0, metadata={
@@ -241,7 +241,7 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none (comma-separated)
     log_completions: bool = False  # write every completion of each logged step to completions.jsonl (TRL's flag)
     num_completions_to_print: Optional[int] = None  # with --log_completions, print this many per logged step; none: all
-    # held-out evaluation (greedy answer accuracy on VQA rows)
+    # logging: held-out evaluation (greedy answer accuracy on VQA rows)
     eval_before: bool = field(default=True, metadata={"help": "also evaluate the starting model"})
 
 

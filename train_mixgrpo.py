@@ -88,7 +88,7 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     without one, the tiny CPU recipe (recipes/tiny_mixgrpo.yaml) runs under the flags given, unless they name models
     of their own. docs/mixgrpo.md has the formulas, docs/flags.md every flag."""
 
-    # models
+    # model
     model_name_or_path: str = field(default=TINY, metadata={
         "help": "the policy VLM (Qwen2.5-VL); 'tiny': tiny-planner, which writes the plans the tiny generator draws "
                 "(tiny-reflector, which also reflects, when --reflect_refine is on)"})
@@ -141,7 +141,7 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
         "a judge reward may send its API key over plain http to a host other than 127.0.0.1 (refused otherwise: it "
         "travels in clear)")})
     format_weight: float = 1.0  # w_fmt: reason text reward = score * fmt + w_fmt * fmt (R3: 1.0)
-    # Flow-GRPO: no text
+    # model: Flow-GRPO (no text)
     text_free: bool = field(default=False, metadata={
         "help": "Flow-GRPO's setting: each prompt goes straight to the generator (its pipeline's own text encoder "
                 "reads it); no VLM loads, nothing reasons or reflects, only the generator trains (it sets "
@@ -150,17 +150,17 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
         "help": "--text_free: a background thread scores step k's images while step k+1's are drawn (before step k "
                 "trains, so they are one step off-policy; the clipped ratio corrects for it); a step that ends in a "
                 "checkpoint draws no next images, so a resumed run repeats the run exactly"})
-    # groups
+    # generation: groups (GRPO groups over processes)
     group_size: int = 16  # rollouts per prompt (the GRPO group)
     policy_group_size: int = 4  # processes sharing one prompt; each makes group_size // policy_group_size rollouts
     prompts_per_policy_group: int = 1  # prompts each policy group takes per step
-    # text
+    # generation: text (the VLM's reasoning)
     max_prompt_length: Optional[int] = 512  # max prompt tokens (longer: an error naming the row)
     max_output_token_n_gen: int = 196  # max reasoning tokens in the reason stage (R3: 196)
     temperature: float = 0.9  # text sampling temperature; behaviour and training log-probs use it too
     top_k: Optional[int] = None  # refused (R3 samples with top-k 50): its log-probs would not be the sampler's
     top_p: float = 1.0  # refused below 1 (R3 samples with top-p 0.9): its log-probs would not be the sampler's
-    # image
+    # generation: image (the generator's flow steps)
     image_size: int = 512  # height = width of the generated images
     num_timesteps_gen: int = 20  # flow steps of the reason stage's image
     enable_sde_gen: bool = True  # one SDE step per rollout (trained); off: ODE only, the image part is not trained
@@ -170,7 +170,7 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
     negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
     timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
-    # MixGRPO's sliding window (reason stage): W consecutive SDE steps per image instead of R3's one random step
+    # generation: MixGRPO's sliding window (reason stage; W SDE steps per image, not R3's one random step)
     sde_window_size: int = 0  # W SDE steps per reason image, all trained; 0: R3's one random step (MixGRPO: 4)
     sde_window_shift_interval: int = 25  # reason steps before the window moves (MixGRPO's iters_per_group)
     sde_window_stride: Optional[int] = None  # steps the window moves by; none: its size (no overlap)
@@ -179,7 +179,7 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
         "help": "Flow-GRPO-Fast: [lo, hi]: each step's window of --sde_window_size SDE steps starts at random in "
                 "[lo, hi - size] (seeded by the step), ODE elsewhere (Flow-GRPO-Fast: [0, num_timesteps_gen // 2]); "
                 "none: MixGRPO's sliding window"})
-    # reflect + refine (odd steps)
+    # generation: reflect + refine (odd steps)
     reflect_refine: bool = True  # odd steps: reflect on a buffered reason image and refine it (same generator)
     max_output_token_n_edit: int = 384  # max tokens of the reflection + edit instruction (R3: 384)
     num_timesteps_edit: int = 20  # flow steps of the refine stage's image
@@ -189,7 +189,7 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
     cfg_img_scale_edit: float = 1.5  # image CFG of the refine stage (BAGEL's cfg_img_scale; 1: off)
     perfect_buffer_prob: float = 0.15  # a reflect step draws from the perfect (score 1) pool with this probability
-    # loss
+    # GRPO loss
     ce_weight: float = 1.0  # weight of the text part
     mse_weight: float = 2.0  # weight of the image part
     kl_weight_text: float = 1e-3  # k3 KL of the text to the reference VLM
@@ -218,7 +218,7 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     logging_steps: int = 1  # log metrics every N steps
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none
     log_completions: int = 4  # rollouts per logged step written to completions.jsonl
-    # held-out evaluation: greedy text, ODE image, more steps
+    # logging: held-out evaluation (greedy text, ODE image, more steps)
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
     eval_num_timesteps: int = 30  # flow steps of the evaluation images
     eval_images_per_prompt: int = 1  # images per held-out prompt, each from its own noise (GenEval's protocol: 4)

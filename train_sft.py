@@ -52,10 +52,10 @@ from utils.eval.heldout import evaluate_after, evaluate_policy, load_eval_set
 class SFTConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, HubDatasetFlags, OptimizerFlags):
     """Supervised fine-tuning of a VLM (or LLM) on reasoning traces: next-token NLL on the assistant tokens only,
     averaged over the assistant tokens of the whole optimizer step on all processes. Data: CRYSTAL VQA rows (the
-    target built from reference_steps + answer in --response_template's format) or sharegpt conversations (LLaMA-
-    Factory / OpenVLThinker SFT files). Flags override the recipe of --config; without one, the tiny CPU recipe
-    (recipes/tiny_sft.yaml, the warm start of tiny GRPO) runs under the flags given, unless they name a model of
-    their own. docs/sft.md has the details, docs/flags.md every flag."""
+    target built from reference_steps + answer in --response_template's format) or sharegpt conversations
+    (LLaMA-Factory / OpenVLThinker SFT files). Flags override the recipe of --config; without one, the tiny CPU
+    recipe (recipes/tiny_sft.yaml, the warm start of tiny GRPO) runs under the flags given, unless they name a model
+    of their own. docs/sft.md has the details, docs/flags.md every flag."""
 
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
@@ -114,9 +114,9 @@ class SFTConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, HubD
     logging_steps: int = 1  # log metrics every N optimizer steps
     report_to: Optional[str] = field(default="tensorboard",
                                      metadata={"help": "tensorboard, wandb, trackio, all or none"})
-    # checkpoints and hub
+    # logging: checkpoints
     save_steps: int = 500  # checkpoint every N optimizer steps and at the end
-    # held-out evaluation (greedy answer accuracy on VQA rows)
+    # logging: held-out evaluation (greedy answer accuracy on VQA rows)
     eval_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0: only after training)"})
 
 

@@ -14,6 +14,7 @@ import train_grpo
 import train_mixgrpo
 import train_sft
 from utils.core.config import build_parser, flag_groups, parse_config
+from utils.core.config_notes import GROUPS, group_topics
 from utils.core.flags import ImageVideoFlags
 from utils.core.models import model_flags
 
@@ -65,7 +66,8 @@ def test_help_opens_with_a_paragraph_then_groups(config, capsys):
     assert lines[0].endswith("[-h] [--config RECIPE.yaml] [--FLAG VALUE ...]") and lines[1] == ""
     paragraph = lines[2:lines.index("", 2)]
     assert len(paragraph) >= 2 and "Config(" not in out  # a description, not the dataclass's signature
-    assert out.count(":\n  --") >= 4  # flags under group headings
+    headings = [line for line in lines if line.endswith(":") and line[:1].isalpha() and line != "options:"]
+    assert len(headings) >= 4  # flags under group headings
 
 
 @pytest.mark.parametrize("config", [c for _, c, *_ in SCRIPTS] + [evaluate.EvalConfig],
@@ -81,7 +83,9 @@ def test_the_image_and_video_flags_are_one_group_the_three_scripts_include():
     shared = [f.name for f in dataclasses.fields(ImageVideoFlags)]
     for config in (train_grpo.GRPOConfig, train_sft.SFTConfig, evaluate.EvalConfig):
         assert issubclass(config, ImageVideoFlags)
-        assert dict(flag_groups(config))["image and video inputs"] == shared
+        data = dict(flag_groups(config))["data"]  # in the data group, together, told in its description
+        assert data[data.index(shared[0]):][:len(shared)] == shared
+        assert "image and video inputs" in group_topics(config)["data"]
 
 
 def test_model_flags_spell_the_loaders_arguments_once():
@@ -92,3 +96,25 @@ def test_model_flags_spell_the_loaders_arguments_once():
     # a script without --freeze_vision_tower loads unfrozen; overrides win
     assert model_flags(evaluate.EvalConfig())["freeze_vision_tower"] is False
     assert model_flags(cfg, freeze_vision_tower=False)["freeze_vision_tower"] is False
+
+
+@pytest.mark.parametrize("config,own", [(train_grpo.GRPOConfig, []), (train_sft.SFTConfig, []),
+                                        (train_mixgrpo.MixGRPOConfig, []), (evaluate.EvalConfig, ["scoring"])],
+                         ids=["train_grpo", "train_sft", "train_mixgrpo", "evaluate"])
+def test_help_groups_are_the_shared_ones_in_their_order(config, own, capsys):
+    headings = [heading for heading, _ in flag_groups(config)]
+    assert headings == [g for g in GROUPS if g in headings] + own  # a script's own groups only after them
+    if config is train_grpo.GRPOConfig:
+        assert headings == list(GROUPS)
+    with pytest.raises(SystemExit):
+        parse_config(config, ["--help"])
+    out = capsys.readouterr().out
+    positions = [out.index(f"\n{heading}:\n") for heading in headings]
+    assert positions == sorted(positions)
+    # the run skeleton's flags land in their groups
+    if config is not evaluate.EvalConfig:
+        groups = dict(flag_groups(config))
+        assert {"ddp_timeout", "cpu_threads"} <= set(groups["distributed"])
+        assert {"push_to_hub", "hub_model_id", "hub_private_repo"} == set(groups["hub"])
+        assert {"max_skipped_steps", "learning_rate"} <= set(groups["training"])
+        assert {"save_steps", "overwrite_output_dir", "output_dir"} <= set(groups["logging"])

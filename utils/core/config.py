@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from utils.core.config_notes import description, flag_groups, source_notes
+from utils.core.config_notes import description, flag_groups, group_topics, source_notes
 from utils.core.secrets import recipe_without_secrets, redact
 from utils.core.trl_flags import add_foreign_flags, comma_list, foreign_reference, take_foreign
 
@@ -238,8 +238,9 @@ def build_parser(config_cls, prog: str | None = None) -> argparse.ArgumentParser
                      description=description(config_cls), argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe; command line flags override it")
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    topics = group_topics(config_cls)
     for heading, names in flag_groups(config_cls):
-        group = parser.add_argument_group(heading) if heading else parser
+        group = parser.add_argument_group(heading, topics.get(heading)) if heading else parser
         for name in names:
             spec = specs[name]
             flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
@@ -350,8 +351,10 @@ def flag_reference(config_cls, title: str) -> str:
     specs = _specs(config_cls)
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     lines = [f"## {title}", ""] + ([" ".join(description(config_cls).split()), ""] if description(config_cls) else [])
+    topics = group_topics(config_cls)
     for heading, names in flag_groups(config_cls):
-        lines += ([f"**{heading}**", ""] if heading else []) + ["| flag | default | meaning |", "|---|---|---|"]
+        lines += [f"**{heading}**" + (f": {topics[heading]}" if heading in topics else ""), ""] if heading else []
+        lines += ["| flag | default | meaning |", "|---|---|---|"]
         for name in names:
             spec = specs[name]
             default = json.dumps(_plain(_fmt_default(fields[name])))

@@ -1,8 +1,8 @@
 """What a config dataclass's source says beyond its fields, read for the command line and the flag reference
 (utils.core.config): the `# heading` comment above each field (its flag group), its trailing `# comment` (the help
 of a field without one in its metadata), and the class docstring (`--help`'s description); `flag_groups` puts the
-fields in their groups. A config that includes shared flag groups (utils.core.flags, as bases) is read with its
-bases."""
+fields in their groups (GROUPS, then a script's own). A config that includes shared flag groups (utils.core.flags,
+as bases) is read with its bases."""
 
 import dataclasses
 import inspect
@@ -14,16 +14,43 @@ def description(config_cls) -> str | None:
     return None if not doc or doc.startswith(f"{config_cls.__name__}(") else doc
 
 
+# The groups `--help` and docs/flags.md show, in this order; a heading `group: topic` puts its fields in `group` (the
+# topic is told in the group's description), any other heading is a group of its own, after these.
+GROUPS = ("model", "data", "generation", "GRPO loss", "rewards", "training", "logging", "hub", "distributed")
+
+
+def group_of(heading: str) -> tuple[str, str]:
+    """A field heading's (group, topic): "generation: tools (docs/tools.md)" -> ("generation", "tools
+    (docs/tools.md)"), "GRPO loss" -> ("GRPO loss", ""); a heading not under one of GROUPS is its own group."""
+    group, _, topic = heading.partition(": ")
+    return (group, topic) if group in GROUPS else (heading, "")
+
+
 def flag_groups(config_cls) -> list[tuple[str, list[str]]]:
-    """The fields of a config in groups: (heading, field names) in the order the headings come in the class bodies,
-    the class's own first, then those of the classes it includes (a base dataclass: a group several scripts share).
-    Fields above the first heading are in the group "" (argparse's "options")."""
+    """The fields of a config in groups: (group, field names), GROUPS first in their order, then the other headings
+    in the order they come in the class bodies. In a group the class's own fields come first, then those of the
+    classes it includes (a base dataclass: flags several scripts share), each part in field order. Fields above the
+    first heading are in the group "" (argparse's "options")."""
     names, (sections, _) = [f.name for f in dataclasses.fields(config_cls) if f.init], source_notes(config_cls)
     own = set(own_fields(config_cls))
     groups: dict[str, list[str]] = {}
     for name in sorted(names, key=lambda n: n not in own):  # stable: own fields first, each part in field order
-        groups.setdefault(sections.get(name, ""), []).append(name)
-    return list(groups.items())
+        groups.setdefault(group_of(sections.get(name, ""))[0], []).append(name)
+    rank = {group: i for i, group in enumerate(GROUPS)}
+    return sorted(groups.items(), key=lambda item: rank.get(item[0], len(GROUPS)))
+
+
+def group_topics(config_cls) -> dict[str, str]:
+    """Each group's description: the topics of its headings ("includes: data set on the hub (TRL's names); image and
+    video inputs"), in `flag_groups`' order of their fields."""
+    sections, _ = source_notes(config_cls)
+    topics: dict[str, list[str]] = {}
+    for group, names in flag_groups(config_cls):
+        for name in names:
+            topic = group_of(sections.get(name, ""))[1]
+            if topic and topic not in topics.setdefault(group, []):
+                topics[group].append(topic)
+    return {group: "includes: " + "; ".join(t) for group, t in topics.items() if t}
 
 
 def own_fields(config_cls) -> list[str]:

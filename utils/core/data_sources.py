@@ -135,7 +135,7 @@ class HubDatasetFlags:
     """The data set flags of TRL's scripts that GRPO and SFT share (their --dataset_split is --dataset_train_split's
     alias)."""
 
-    # data set on the hub (TRL's names)
+    # data: data set on the hub (TRL's names)
     dataset_config: str | None = field(default=None, metadata={"help": (
         "configuration (subset) of --dataset_name: a hub data set's, or a local folder's laid out as a hub repo "
         "(its README's configs); none: the default one")})

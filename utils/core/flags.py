@@ -32,7 +32,7 @@ class ModelFlags:
 
 @dataclass
 class ImageVideoFlags:
-    # image and video inputs
+    # data: image and video inputs
     max_pixels: Optional[int] = None  # max pixels per image (Qwen-style image processors); none: the processor's
     min_pixels: Optional[int] = None  # min pixels per image (Qwen-style image processors); none: the processor's
     max_anyres_num: Optional[int] = field(default=None, metadata={
@@ -75,7 +75,7 @@ class CheckpointFlags:
 
 @dataclass
 class HeldOutFlags:
-    # held-out evaluation (greedy answer accuracy on VQA rows)
+    # logging: held-out evaluation (greedy answer accuracy on VQA rows)
     eval_dataset_name: Optional[str] = field(default=None,
                                              metadata={"help": "VQA set for held-out accuracy; none: no evaluation"})
     eval_split: str = "test"  # split of --eval_dataset_name

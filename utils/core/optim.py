@@ -44,7 +44,7 @@ _NOT_ADAM = ("adafactor", "sgd", "adagrad", "rmsprop")
 class OptimizerFlags:
     """The optimizer flags the three training scripts share (a script redeclares a field to change its default)."""
 
-    # optimizer (transformers' / TRL's names)
+    # training: optimizer (transformers' / TRL's names)
     optim: str = field(default="adamw_torch", metadata={"help": (
         "adamw_torch (torch's AdamW, one foreach update) or adamw_torch_fused (one fused kernel; TRL's default); "
         "transformers' other optimizers are refused naming what they need")})
