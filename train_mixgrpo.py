@@ -46,7 +46,8 @@ from utils.core.tracking import train_summary
 from utils.core.zero3 import clear_stale_zero3_gradients, is_zero3, unwrap_for_generation
 from utils.eval.heldout import evaluate_after, evaluate_before
 from utils.t2i.data import load_prompts
-from utils.t2i.generators import Guidance, SDEStep, sample
+from utils.t2i.generators import Guidance, SDEStep, sample  # noqa: F401  (Guidance: as tm.Guidance in scripts, tests)
+from utils.t2i.guidance import RENORM_TYPES
 from utils.t2i.mixgrpo_eval import evaluate_reason, heldout_lines, heldout_summary
 from utils.t2i.mixgrpo_model import (
     MixGRPOModel,
@@ -54,10 +55,12 @@ from utils.t2i.mixgrpo_model import (
     build_policy,
     check_generators,
     check_policy,
+    check_renorm_flags,
     edit_guidance,
     image_condition,
     load_generator,
     own_processor,
+    reason_guidance,
 )
 from utils.t2i.r3_format import (
     REASON_PROMPT,
@@ -167,6 +170,10 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     noise_level_gen: float = 0.7  # SDE noise level a of the reason stage
     noise_cap: str = choice("flow_grpo", "r3", help="std_t rule at sigma = 1 (utils/t2i/sde.py)")
     cfg_scale_gen: float = 4.0  # text classifier-free guidance of the reason stage's image
+    cfg_renorm_type_gen: str = choice(*RENORM_TYPES, help=(
+        "rescale of the reason stage's guided velocity: pipeline (the pipeline's own: Qwen-Image rescales each latent "
+        "token to the conditional norm), none, or BAGEL's clamped global / channel / text_channel (R3: global)"))
+    cfg_renorm_min: float = 0.0  # lower clamp of BAGEL's renorm ratio (global / channel / text_channel; R3: 0)
     cfg_interval: list[float] = field(default_factory=lambda: [0.4, 1.0])  # CFG only for sigma in (lo, hi]
     negative_prompt: str = " "  # the CFG negative prompt (Qwen-Image's default)
     timestep_shift: Optional[float] = 3.0  # fixed shift t' = s t / (1 + (s - 1) t); none: the pipeline's own
@@ -188,6 +195,9 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     noise_level_edit: float = 1.0  # SDE noise level a of the refine stage
     cfg_scale_edit: float = 4.0  # text classifier-free guidance of the refine stage (same interval)
     cfg_img_scale_edit: float = 1.5  # image CFG of the refine stage (BAGEL's cfg_img_scale; 1: off)
+    cfg_renorm_type_edit: str = choice(*RENORM_TYPES, help=(
+        "rescale of the refine stage's guided velocity (choices as --cfg_renorm_type_gen); text_channel (R3): the "
+        "text-guided velocity per latent token before the image CFG"))
     perfect_buffer_prob: float = 0.15  # a reflect step draws from the perfect (score 1) pool with this probability
     # GRPO loss
     ce_weight: float = 1.0  # weight of the text part
@@ -218,8 +228,11 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     logging_steps: int = 1  # log metrics every N steps
     report_to: str = "tensorboard"  # trackers: tensorboard, wandb, trackio, all or none
     log_completions: int = 4  # rollouts per logged step written to completions.jsonl
-    # logging: held-out evaluation (greedy text, ODE image, more steps)
+    # logging: held-out evaluation (greedy or --eval_temperature text, ODE image, more steps)
     eval_samples: Optional[int] = 64  # evaluate the first N held-out prompts; none: all
+    eval_temperature: float = field(default=0.0, metadata={
+        "help": "held-out reasoning and reflections: 0 greedy, > 0 sampled at this temperature from seeded noise "
+                "(R3: 0.3)"})
     eval_num_timesteps: int = 30  # flow steps of the evaluation images
     eval_images_per_prompt: int = 1  # images per held-out prompt, each from its own noise (GenEval's protocol: 4)
     eval_refine_rounds: int = 1  # held-out reflect + refine rounds per image, each stops at "no further edit" (R3: 4)
@@ -293,6 +306,9 @@ def validate(cfg, num_processes):
         raise ConfigError("--edit_generator_name_or_path is set but --reflect_refine is off (nothing refines)")
     if cfg.cfg_img_scale_edit < 1:
         raise ConfigError(f"--cfg_img_scale_edit {cfg.cfg_img_scale_edit} must be >= 1 (1: no image CFG)")
+    check_renorm_flags(cfg)
+    if cfg.eval_temperature < 0:
+        raise ConfigError(f"--eval_temperature {cfg.eval_temperature} must be >= 0 (0: greedy)")
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id")
     if cfg.overlap_rewards and not cfg.text_free:
@@ -471,7 +487,7 @@ def reason_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, policy, proces
     images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
         sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
-        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+        guidance=reason_guidance(cfg),
         window=sde_window(cfg, step) if cfg.sde_window_size else None)
     scores = score_images(cfg, reward_fn, text["texts"], images, local_rows)
     formats = torch.tensor([f for f, _ in parsed])
@@ -491,7 +507,7 @@ def prompt_rollout(cfg, step, prompt_ids, rows, *, rank_in_group, gen, accelerat
     images, steps, sde_index, step_image = image_rollout(
         cfg, step, prompt_ids, cond, global_ids, gen=gen, device=accelerator.device, num_steps=cfg.num_timesteps_gen,
         sde_range=cfg.num_timesteps_gen - 1, enable_sde=cfg.enable_sde_gen, noise_level=cfg.noise_level_gen,
-        guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+        guidance=reason_guidance(cfg),
         window=sde_window(cfg, step) if cfg.sde_window_size else None)
     n, texts = len(local_rows), [r["prompt"] for r in local_rows]
     no_text = torch.zeros(n, 0, dtype=torch.long, device=accelerator.device)  # the text part is empty

@@ -1,6 +1,7 @@
 """The flow generator adapters against diffusers' own pipelines (tiny random components built locally, as diffusers'
 pipeline tests build them; tokenizers are made offline), the SDE-step log-prob recompute, LoRA and conditioning."""
 
+import math
 import os
 
 import pytest
@@ -235,6 +236,69 @@ def test_qwen_edit_image_cfg_is_bagels_formula_inside_the_interval(qwen_dir):
     out = sample(gen, cond, num_steps=3, sde_steps=[0], guidance=both, generator=_gen(), output_type=None)
     _close(step_logprob(gen, cond, out.steps[0])[0].detach(), out.steps[0].log_prob, atol=1e-6)
     assert (step_logprob(gen, cond, out.steps[0], guidance=text)[0] - out.steps[0].log_prob).abs().max() > 1e-6
+
+
+def _bagel_guided(v_cond, v_neg, v_free, scale, image_scale, kind, renorm_min):
+    """BAGEL's guided velocity from the three branches' velocities, one image and one latent token at a time in numpy
+    (float64): text CFG, then (text_channel) each token rescaled by min(max(|v_cond| / (|v_text| + 1e-8), min), 1),
+    then the image CFG, then (global) the whole image rescaled the same way."""
+    import numpy as np
+
+    cond, neg, free = (np.asarray(v.double()) for v in (v_cond, v_neg, v_free))
+    out = np.empty_like(cond)
+    for b in range(cond.shape[0]):
+        text = neg[b] + scale * (cond[b] - neg[b])
+        if kind == "text_channel":
+            for i in range(text.shape[0]):
+                ratio = math.sqrt((cond[b, i] ** 2).sum()) / (math.sqrt((text[i] ** 2).sum()) + 1e-8)
+                text[i] = text[i] * min(max(ratio, renorm_min), 1.0)
+        full = free[b] + image_scale * (text - free[b])
+        if kind == "global":
+            ratio = math.sqrt((cond[b] ** 2).sum()) / (math.sqrt((full ** 2).sum()) + 1e-8)
+            full = full * min(max(ratio, renorm_min), 1.0)
+        out[b] = full
+    return torch.from_numpy(out).float()
+
+
+@pytest.mark.parametrize("kind, renorm_min", [("text_channel", 0.0), ("global", 0.0)])
+def test_bagel_cfg_renorms_match_an_independent_computation(qwen_dir, kind, renorm_min):
+    """R3's edit guidance (cfg_renorm_type_edit text_channel) and generation guidance (global), as BAGEL defines
+    them, against the same formula computed by hand from the three branches' velocities; outside the CFG interval
+    the conditional velocity. The SDE recompute keeps it (ratio 1), and it is not the pipeline's own rescale."""
+    gen = QwenImageGenerator.from_pretrained(qwen_dir, edit_area=SIZE * SIZE)
+    cond = gen.encode_condition(PROMPTS, [_image(5), _image(6)], height=SIZE, width=SIZE, max_sequence_length=128,
+                                image_guidance=True)
+    x = gen.prepare_latents(2, SIZE, SIZE, _gen())
+    t = torch.tensor([900.0, 200.0])  # sigma 0.9 inside (0.4, 1], 0.2 outside
+    one = Guidance(scale=1.0)
+    with torch.no_grad():
+        v_cond, v_neg, v_free = (gen.forward(x.to(gen.dtype), t, cond, branch, one).float()
+                                 for branch in (cond.pos, cond.neg, cond.no_image))
+        guidance = Guidance(scale=4.0, interval=(0.4, 1.0), image_scale=1.5, renorm=kind, renorm_min=renorm_min)
+        v = gen.velocity(x, t, cond, guidance)
+        expected = _bagel_guided(v_cond, v_neg, v_free, 4.0, 1.5, kind, renorm_min)
+        _close(v[0], expected[0], atol=1e-5)
+        _close(v[1], v_cond[1], atol=0)
+        pipeline = gen.velocity(x, t, cond, Guidance(scale=4.0, interval=(0.4, 1.0), image_scale=1.5))
+        assert (v[0] - pipeline[0]).abs().max() > 1e-3  # Qwen-Image's own (unclamped, per-token) rescale differs
+    out = sample(gen, cond, num_steps=3, sde_steps=[0], guidance=guidance, generator=_gen(), output_type=None)
+    _close(step_logprob(gen, cond, out.steps[0])[0].detach(), out.steps[0].log_prob, atol=1e-6)
+    with pytest.raises(ValueError, match="renorm='channels'"):
+        Guidance(renorm="channels")
+
+
+def test_bagel_renorm_only_shrinks_and_keeps_the_floor():
+    """The clamp of BAGEL's ratio to [renorm_min, 1]: a guided velocity shorter than the conditional one is kept as it
+    is, a longer one shrunk to its norm (per token or per image), never below renorm_min of itself."""
+    from utils.t2i.guidance import renormalize
+
+    cond = torch.tensor([[[3.0, 4.0], [1.0, 0.0]]])  # token norms 5 and 1, image norm sqrt(26)
+    guided = torch.tensor([[[0.6, 0.8], [0.0, 4.0]]])  # token norms 1 and 4, image norm sqrt(17)
+    _close(renormalize(guided, cond, "channel"), torch.tensor([[[0.6, 0.8], [0.0, 1.0]]]), atol=1e-6)
+    _close(renormalize(guided, cond, "channel", renorm_min=0.5), torch.tensor([[[0.6, 0.8], [0.0, 2.0]]]), atol=1e-6)
+    _close(renormalize(guided, cond, "global"), guided, atol=0)  # sqrt(26) / sqrt(17) > 1: kept
+    _close(renormalize(4 * guided, cond, "global"), 4 * guided * math.sqrt(26) / math.sqrt(17 * 16), atol=1e-6)
+    _close(renormalize(guided, cond, "pipeline"), torch.tensor([[[3.0, 4.0], [0.0, 1.0]]]), atol=1e-6)  # unclamped
 
 
 def test_ode_trajectory_unchanged_before_sde_step(qwen_dir):

@@ -22,6 +22,7 @@ from utils.core.logprobs import hf_core
 from utils.core.tracking import read_jsonl
 from utils.t2i import mixgrpo_eval, mixgrpo_model, r3_format
 from utils.t2i.generators import step_logprob
+from utils.t2i.r3_format import REASON_PROMPT, user_message
 
 
 @pytest.mark.parametrize("score, fmt, w, text, image", [
@@ -109,6 +110,11 @@ def test_group_advantages_subtract_the_group_mean_and_optionally_divide_by_std()
     (dict(eval_batch_size=0), 4, "--eval_batch_size 0 must be >= 1"),
     (dict(sde_window_size=20), 4, "--sde_window_size 20 must lie in"),
     (dict(sde_window_size=4, sde_window_shift_interval=0), 4, "--sde_window_shift_interval"),
+    (dict(cfg_renorm_type_gen="global", cfg_scale_gen=1.0), 4, "--cfg_renorm_type_gen global: --cfg_scale_gen 1.0"),
+    (dict(cfg_renorm_type_edit="text_channel", reflect_refine=False), 4, "text_channel: --reflect_refine is off"),
+    (dict(cfg_renorm_min=0.5), 4, "--cfg_renorm_min 0.5 clamps BAGEL's rescales"),
+    (dict(cfg_renorm_type_gen="global", cfg_renorm_min=1.5), 4, r"--cfg_renorm_min 1.5 must lie in \[0, 1\]"),
+    (dict(eval_temperature=-0.3), 4, "--eval_temperature -0.3 must be >= 0"),
 ])
 def test_validate_refuses_bad_flags(overrides, world, message):
     with pytest.raises(ValueError, match=message):
@@ -263,6 +269,25 @@ def test_ratio_one_and_kl_zero_at_unchanged_weights_with_cfg_on(tiny):
     with torch.no_grad():
         untempered = policy(roll["batch"], roll["ids"], roll["mask"], 1.0)
     assert ((untempered - roll["old_logps"]) * roll["mask"]).abs().max() > 1e-3
+
+
+def test_renorm_flags_reach_each_stages_guidance_and_keep_the_ratio_at_one(tiny):
+    """--cfg_renorm_type_gen / _edit / --cfg_renorm_min (R3: global / text_channel / 0) become each stage's Guidance;
+    the reason rollout draws other images with them, and its recomputed SDE log-prob keeps them (ratio 1)."""
+    from utils.t2i.guidance import Guidance
+
+    cfg = replace(tiny["cfg"], cfg_renorm_type_gen="global", cfg_renorm_type_edit="text_channel", cfg_renorm_min=0.1)
+    assert mixgrpo_model.reason_guidance(cfg) == Guidance(4.0, interval=(0.4, 1.0), renorm="global", renorm_min=0.1)
+    assert mixgrpo_model.edit_guidance(cfg) == Guidance(4.0, interval=(0.4, 1.0), renorm="text_channel",
+                                                        renorm_min=0.1, image_scale=1.5)
+    assert mixgrpo_model.reason_guidance(tiny["cfg"]).renorm is None  # pipeline: the pipeline's own choice
+    assert mixgrpo_model.edit_guidance(replace(tiny["cfg"], cfg_renorm_type_edit="none")).renorm is False
+    roll, plain = rollout(tiny, cfg), rollout(tiny)
+    assert roll["steps"].guidance.renorm == "global"
+    assert not torch.allclose(roll["steps"].next_latents, plain["steps"].next_latents)
+    with torch.no_grad():
+        recomputed = mixgrpo_model.image_logprobs(tiny["gen"], roll["cond"], roll["steps"])[0]
+    assert (recomputed - roll["steps"].log_prob).abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("overrides, windows", [
@@ -681,6 +706,26 @@ def evaluate(tiny, cfg, grid):
     return tm.evaluate_reason(cfg, tiny["rows"], policy=tiny["policy"], processor=tiny["processor"], gen=tiny["gen"],
                               accelerator=tiny["accelerator"], stop_ids=tiny["stop"], suppress_ids=tiny["suppress"],
                               reward_fn=tm.build_image_reward(cfg), grid_path=grid)
+
+
+def test_heldout_text_is_greedy_or_sampled_at_eval_temperature(tiny):
+    """--eval_temperature 0 is greedy; R3's 0.3 samples the held-out reasoning and reflections from seeded noise: the
+    same texts on every call, others with another --seed, the reflections from noise of their own."""
+    kw = dict(policy=tiny["policy"], processor=tiny["processor"], accelerator=tiny["accelerator"],
+              stop_ids=tiny["stop"], suppress_ids=tiny["suppress"])
+    messages = [user_message(REASON_PROMPT.format(prompt=r["prompt"])) for r in tiny["rows"] * 4]
+    images, idx = [[] for _ in messages], list(range(len(messages)))
+
+    def texts(**flags):
+        return mixgrpo_eval.greedy_texts(replace(tiny["cfg"], **flags), messages, images, idx, 8, **kw)
+
+    greedy, sampled = texts(eval_temperature=0.0), texts(eval_temperature=0.3)
+    assert greedy[:2] * 4 == greedy  # greedy: a row's text does not depend on its seed
+    assert sampled != greedy and texts(eval_temperature=0.3) == sampled
+    assert texts(eval_temperature=0.3, seed=1) != sampled
+    reflect = mixgrpo_eval.greedy_texts(replace(tiny["cfg"], eval_temperature=0.3), messages, images, idx, 8,
+                                        seed_ids=idx, seed_round=mixgrpo_eval.HELDOUT_REFLECT_ROUND, **kw)
+    assert reflect != sampled
 
 
 def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(tiny, tmp_path, monkeypatch):

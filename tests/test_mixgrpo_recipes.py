@@ -16,7 +16,11 @@ R3 = dict(ce_weight=1.0, mse_weight=2.0, kl_weight_text=1e-3, kl_weight_image=1e
           model_name_or_path="Qwen/Qwen2.5-VL-7B-Instruct", generator_name_or_path="Qwen/Qwen-Image",
           reflect_refine=True, edit_generator_name_or_path="Qwen/Qwen-Image-Edit", noise_level_edit=1.0,
           cfg_scale_edit=4.0, cfg_img_scale_edit=1.5, max_sde_timestep_idx_for_edit=2, perfect_buffer_prob=0.15,
-          enable_sde_edit=True)
+          enable_sde_edit=True, image_size=512,
+          # sen-ye/R3's scripts/train_rl.sh at its latest commit (its first: warm-up 30, temperature 0.8, 15 / 18 steps)
+          num_timesteps_gen=16, num_timesteps_edit=21, cfg_renorm_type_gen="global",
+          cfg_renorm_type_edit="text_channel", cfg_renorm_min=0.0, eval_temperature=0.3, eval_steps=50,
+          eval_num_timesteps=50, eval_refine_rounds=3)
 
 
 @pytest.mark.parametrize("name, dataset, reward", [

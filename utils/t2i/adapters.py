@@ -72,6 +72,7 @@ class SD3Generator(_VaeScaled, FlowGenerator):
 
     pipeline_class = StableDiffusion3Pipeline
     cfg_batched = True
+    channel_dim = 1  # unpacked [B, C, h, w] latents
     lora_targets = DEFAULT_LORA_TARGETS[:7]
 
     def encode_condition(self, prompts, images=None, *, height, width, negative_prompt="", max_sequence_length=256):

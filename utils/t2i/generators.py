@@ -21,6 +21,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
 from utils.core.models import adapters_disabled
+from utils.t2i.guidance import Guidance, renormalize
 from utils.t2i.sde import ode_step, sde_std_t, sde_step_from_std
 
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -38,33 +39,6 @@ def pipeline_schedule(scheduler, num_steps, device, sigmas, mu=None):
     kwargs = {} if mu is None else {"mu": mu}
     timesteps, _ = retrieve_timesteps(scheduler, num_steps, device, sigmas=sigmas, **kwargs)
     return timesteps.clone(), scheduler.sigmas.to(device).clone()
-
-
-@dataclass
-class Guidance:
-    """Classifier-free guidance as the pipelines compute it: v = v_neg + scale * (v_pos - v_neg).
-
-    scale <= 1 or a condition without a negative branch turns CFG off, as in the pipelines.
-    interval=(lo, hi): CFG only where lo < sigma <= hi (R3: (0.4, 1.0)); elsewhere the conditional velocity.
-    renorm: rescale to the conditional velocity's per-token norm; None = the pipeline's choice (Qwen-Image: on).
-    embedded: the guidance input of guidance-distilled transformers (FLUX.1-dev); None = the adapter's default.
-    image_scale > 1: an edit's image CFG on top (BAGEL's cfg_img_scale; R3: 1.5), where the text CFG is on:
-    v = v_free + image_scale * (v_text - v_free), v_text the text-guided velocity and v_free the prompt's without
-    the input image (a condition's `no_image` branch; without one, no image CFG).
-    """
-
-    scale: float = 4.0
-    interval: tuple | None = None
-    renorm: bool | None = None
-    embedded: float | None = None
-    image_scale: float = 1.0
-
-    def active(self, sigma):
-        on = torch.full_like(sigma, self.scale > 1, dtype=torch.bool)
-        if self.interval is not None:
-            lo, hi = self.interval
-            on &= (sigma > lo) & (sigma <= hi)
-        return on
 
 
 def _take(value, index):
@@ -170,6 +144,7 @@ class FlowGenerator:
     pipeline_class = None
     lora_targets = DEFAULT_LORA_TARGETS
     cfg_renorm = False  # Qwen-Image rescales the guided velocity to the conditional norm
+    channel_dim = -1  # the latents' channel axis, per latent token (packed latents); SD3's unpacked ones: 1
     cfg_batched = False  # one forward on [neg, pos] (SD3 does; set it where cfg_batchable: one forward per backward)
     cfg_batchable = True  # one forward on both branches gives what two give (Qwen-Image 2.1: no)
 
@@ -213,13 +188,18 @@ class FlowGenerator:
         on = guidance.active(t / self.scheduler.config.num_train_timesteps)
         if cond.neg is None or not self.cfg_allowed or not bool(on.any()):
             return self.forward(x, t, cond, cond.pos, guidance).float()
-        v = self._text_guided(x, t, cond, guidance, on)
-        if guidance.image_scale > 1 and cond.no_image is not None:  # BAGEL's image CFG, inside the text CFG's steps
+        v_pos, v = self._text_guided(x, t, cond, guidance)
+        if guidance.image_scale > 1 and cond.no_image is not None:  # BAGEL's image CFG on the text-guided velocity
             v_free = self.forward(x, t, cond, cond.no_image, guidance).float()
-            v = torch.where(on.reshape(-1, *([1] * (v.ndim - 1))), v_free + guidance.image_scale * (v - v_free), v)
+            v = v_free + guidance.image_scale * (v - v_free)
+        if guidance.renorm in ("global", "channel"):  # BAGEL's rescale of the fully guided velocity
+            v = renormalize(v, v_pos, guidance.renorm, renorm_min=guidance.renorm_min, channel_dim=self.channel_dim)
+        if not bool(on.all()):  # per-sample sigmas straddling the guidance interval: the conditional velocity there
+            v = torch.where(on.reshape(-1, *([1] * (v.ndim - 1))), v, v_pos)
         return v
 
-    def _text_guided(self, x, t, cond, guidance, on):
+    def _text_guided(self, x, t, cond, guidance):
+        """(the conditional velocity, the text-guided one after the text stage's rescale)."""
         if self.cfg_batched:
             both = self._merge_branches(cond.neg, cond.pos)
             double = cond.select(torch.cat([torch.arange(x.shape[0])] * 2))
@@ -229,11 +209,10 @@ class FlowGenerator:
             v_neg = self.forward(x, t, cond, cond.neg, guidance).float()
         v = v_neg + guidance.scale * (v_pos - v_neg)
         renorm = self.cfg_renorm if guidance.renorm is None else guidance.renorm
-        if renorm:
-            v = v * (torch.norm(v_pos, dim=-1, keepdim=True) / torch.norm(v, dim=-1, keepdim=True))
-        if not bool(on.all()):  # per-sample sigmas straddling the guidance interval
-            v = torch.where(on.reshape(-1, *([1] * (v.ndim - 1))), v, v_pos)
-        return v
+        if renorm is True or renorm == "text_channel":  # the pipeline's per-token rescale, or BAGEL's clamped one
+            v = renormalize(v, v_pos, "pipeline" if renorm is True else renorm, renorm_min=guidance.renorm_min,
+                            channel_dim=self.channel_dim)
+        return v_pos, v
 
     def _merge_branches(self, neg, pos):
         return {k: torch.cat([neg[k], v]) if torch.is_tensor(v) else v for k, v in pos.items()}

@@ -1,6 +1,6 @@
-"""Mix-GRPO's held-out evaluation (beside utils.eval.heldout, GRPO's and SFT's): greedy reasoning, ODE images scored
-by the image reward, optionally reflected on and refined; the before / after summary of a run. Shared by
-train_mixgrpo.py and bench/experiments/tiny_mixgrpo_eval.py."""
+"""Mix-GRPO's held-out evaluation (beside utils.eval.heldout, GRPO's and SFT's): greedy reasoning (or sampled at
+--eval_temperature, R3: 0.3), ODE images scored by the image reward, optionally reflected on and refined; the before /
+after summary of a run. Shared by train_mixgrpo.py and bench/experiments/tiny_mixgrpo_eval.py."""
 
 from __future__ import annotations
 
@@ -16,18 +16,24 @@ from rewards import get_reward
 from utils.core.encoding import encode_prompts
 from utils.core.reward_calls import score_images
 from utils.core.rollout import generate_completions
-from utils.t2i.generators import Guidance, sample
-from utils.t2i.mixgrpo_model import edit_guidance, image_condition
+from utils.core.seeds import completion_seeds
+from utils.t2i.generators import sample
+from utils.t2i.mixgrpo_model import edit_guidance, image_condition, reason_guidance
 from utils.t2i.r3_format import REASON_PROMPT, REFLECT_PROMPT, reasoning_of, reflection_of, user_message
+
+# Held-out text sampled at --eval_temperature > 0 draws its noise from rounds no training step uses (steps are >= 0).
+HELDOUT_REASON_ROUND, HELDOUT_REFLECT_ROUND = -1, -2
 
 
 def greedy_texts(cfg, messages, images, idx, max_new_tokens, *, policy, processor, accelerator, stop_ids,
-                 suppress_ids):
-    """Greedy completions of a held-out batch (chat messages, one image list per row)."""
+                 suppress_ids, seed_ids=None, seed_round=HELDOUT_REASON_ROUND):
+    """Completions of a held-out batch (chat messages, one image list per row): greedy, or with --eval_temperature
+    sampled from counter-based noise keyed by (--seed, `seed_round`, `seed_ids` (default: the rows `idx`))."""
     tokenizer = processor.tokenizer
     batch = encode_prompts(processor, messages, images, sample_ids=[f"held-out row {i}" for i in idx],
                            max_prompt_length=cfg.max_prompt_length).to(accelerator.device)
-    ids, mask = generate_completions(policy.model, batch, row_seeds=torch.tensor(idx), temperature=0.0,
+    seeds = completion_seeds(cfg.seed, seed_round, idx if seed_ids is None else seed_ids)
+    ids, mask = generate_completions(policy.model, batch, row_seeds=seeds, temperature=cfg.eval_temperature,
                                      max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                                      pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress_ids)
     return tokenizer.batch_decode(ids.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
@@ -40,12 +46,13 @@ def scored_mean(values):
 
 
 def refine_heldout(cfg, batch_rows, idx, images, gen, accelerator, noise_ids, **generate):
-    """Held-out reflect + refine of the reason images: greedy reflection on each image (of held-out row `idx[k]`),
-    then an ODE refine with --eval_num_timesteps from noise seeded by `noise_ids[k]` (the image and the round);
-    "no further edit needed" keeps the image. Returns (reflections, refined images, no-edit flags)."""
+    """Held-out reflect + refine of the reason images: greedy (or --eval_temperature) reflection on each image (of
+    held-out row `idx[k]`), then an ODE refine with --eval_num_timesteps from noise seeded by `noise_ids[k]` (the
+    image and the round; the reflection's text noise too); "no further edit needed" keeps the image. Returns
+    (reflections, refined images, no-edit flags)."""
     messages = [user_message(REFLECT_PROMPT.format(prompt=r["prompt"]), True) for r in batch_rows]
     texts = greedy_texts(cfg, messages, [[im] for im in images], idx, cfg.max_output_token_n_edit,
-                         accelerator=accelerator, **generate)
+                         accelerator=accelerator, seed_ids=noise_ids, seed_round=HELDOUT_REFLECT_ROUND, **generate)
     parsed = [reflection_of(t) for t in texts]
     no_edit = [keep for _, _, keep in parsed]
     edit = [k for k, keep in enumerate(no_edit) if not keep]  # a kept image is not drawn again
@@ -134,7 +141,7 @@ def evaluate_reason(cfg, rows, *, policy, processor, gen, accelerator, stop_ids,
         noise = torch.cat([gen.prepare_latents(1, cfg.image_size, cfg.image_size, torch.Generator(
             device=accelerator.device).manual_seed(cfg.seed + i)) for i in ids])
         out = sample(gen, cond.select(torch.tensor([k for _, k in items])), num_steps=cfg.eval_num_timesteps,
-                     guidance=Guidance(cfg.cfg_scale_gen, interval=tuple(cfg.cfg_interval)),
+                     guidance=reason_guidance(cfg),
                      shift=cfg.timestep_shift, latents=noise, output_type="pil")
         scores = score_images(cfg, reward_fn, item_texts, out.images, item_rows).tolist()  # NaN: unscored
         details = [shapes.details(im, r) if shapes else {} for im, r in zip(out.images, item_rows)]

@@ -1,7 +1,7 @@
 """Mix-GRPO's policy: the VLM (text) and the flow generators (images) it trains as one module (`MixGRPOModel`),
 how they load and are checked against the flags (`check_generators`, `build_policy`, `build_edit_generator`), and
-how a generator is conditioned on the VLM's text (`image_condition`, `edit_guidance`). train_mixgrpo.py's rollouts
-and loss, and its held-out evaluation (utils.t2i.mixgrpo_eval), use these."""
+how a generator is conditioned on the VLM's text and guided (`image_condition`, `reason_guidance`, `edit_guidance`).
+train_mixgrpo.py's rollouts and loss, and its held-out evaluation (utils.t2i.mixgrpo_eval), use these."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from utils.core.models import (
 )
 from utils.core.rollout import check_no_logits_shaping
 from utils.t2i.adapters import load_flow_generator
-from utils.t2i.generators import Guidance, step_logprob
+from utils.t2i.generators import step_logprob
+from utils.t2i.guidance import BAGEL_RENORMS, guidance_from_flags
 
 
 def image_condition(cfg, gen, rows, texts, images=None):
@@ -37,9 +38,35 @@ def image_condition(cfg, gen, rows, texts, images=None):
                                 **extra)
 
 
+def reason_guidance(cfg):
+    """The reason stage's guidance: text CFG within --cfg_interval, rescaled by --cfg_renorm_type_gen."""
+    return guidance_from_flags(cfg.cfg_scale_gen, cfg.cfg_interval, cfg.cfg_renorm_type_gen, cfg.cfg_renorm_min)
+
+
 def edit_guidance(cfg):
-    """The refine stage's guidance: text CFG and image CFG within --cfg_interval."""
-    return Guidance(cfg.cfg_scale_edit, interval=tuple(cfg.cfg_interval), image_scale=cfg.cfg_img_scale_edit)
+    """The refine stage's guidance: text CFG and image CFG within --cfg_interval, rescaled by --cfg_renorm_type_edit."""
+    return guidance_from_flags(cfg.cfg_scale_edit, cfg.cfg_interval, cfg.cfg_renorm_type_edit, cfg.cfg_renorm_min,
+                               image_scale=cfg.cfg_img_scale_edit)
+
+
+def check_renorm_flags(cfg):
+    """--cfg_renorm_type_gen / _edit and --cfg_renorm_min where they cannot apply: a rescale without CFG to rescale,
+    an edit rescale without a refine stage, a floor without one of BAGEL's clamped rescales."""
+    for stage, kind, scale in (("gen", cfg.cfg_renorm_type_gen, cfg.cfg_scale_gen),
+                               ("edit", cfg.cfg_renorm_type_edit, cfg.cfg_scale_edit)):
+        if kind not in ("pipeline", "none") and scale <= 1:
+            raise ConfigError(f"--cfg_renorm_type_{stage} {kind}: --cfg_scale_{stage} {scale} turns the text CFG off, "
+                              "so there is no guided velocity to rescale")
+    if cfg.cfg_renorm_type_edit != "pipeline" and not cfg.reflect_refine:
+        raise ConfigError(f"--cfg_renorm_type_edit {cfg.cfg_renorm_type_edit}: --reflect_refine is off (nothing "
+                          "refines)")
+    if not 0 <= cfg.cfg_renorm_min <= 1:
+        raise ConfigError(f"--cfg_renorm_min {cfg.cfg_renorm_min} must lie in [0, 1] (the ratio is clamped to "
+                          "[min, 1])")
+    clamped = {cfg.cfg_renorm_type_gen, cfg.cfg_renorm_type_edit} & set(BAGEL_RENORMS)
+    if cfg.cfg_renorm_min and not clamped:
+        raise ConfigError(f"--cfg_renorm_min {cfg.cfg_renorm_min} clamps BAGEL's rescales (global, channel, "
+                          "text_channel): neither --cfg_renorm_type_gen nor --cfg_renorm_type_edit is one")
 
 
 def image_logprobs(gen, cond, steps, *, reference=False):
