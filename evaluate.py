@@ -16,7 +16,8 @@ Each is also broken down by `--group_by` columns (difficulty by default).
 Writes to --output_dir: generations.jsonl (raw completions), predictions.json + references.json (the
 crystal-metrics format), metrics.json and metrics.md; prints the table. `--select_best DIR` scores every
 `checkpoint-N` in DIR (into output_dir/checkpoint-N/) and writes best_checkpoint.json: the selection step
-between CRYSTAL's two training phases.
+between CRYSTAL's two training phases; with `--select_guard_metric accuracy` CRYSTAL's final pick, the best Match
+F1 among the checkpoints that keep the first one's accuracy.
 """
 
 import json
@@ -141,6 +142,12 @@ class EvalConfig(ImageVideoFlags):
     select_include: list[str] = field(default_factory=list, metadata={
         "help": "models scored with the --select_best checkpoints, before them (step 0, e.g. the run's starting "
                 "model: it wins ties)"})
+    select_guard_metric: Optional[str] = field(default=None, metadata={
+        "help": "--select_best picks only among candidates whose value of this metric (accuracy, match_f1, ...) is not "
+                "below the first candidate's (the --select_include model, else the earliest checkpoint) minus "
+                "--select_guard_tolerance: CRYSTAL's 'best Match F1 without losing accuracy'"})
+    select_guard_tolerance: float = field(default=0.0, metadata={
+        "help": "how far below the first candidate's --select_guard_metric a candidate may fall and still be picked"})
     # logging: output
     output_dir: Optional[str] = field(default=None, metadata={
         "help": "default: outputs/eval/<model> (never inside the model's folder), or <select_best>/eval"})
@@ -173,12 +180,25 @@ def validate(cfg):
         raise ValueError(f"--metrics {unknown or cfg.metrics}: choose from {', '.join(METRICS)}")
     if cfg.select_include and not cfg.select_best:
         raise ValueError("--select_include adds candidates to --select_best: give --select_best too")
+    if (cfg.select_guard_metric is not None or cfg.select_guard_tolerance) and not cfg.select_best:
+        raise ValueError("--select_guard_metric / --select_guard_tolerance guard --select_best's pick: give "
+                         "--select_best too")
+    if cfg.select_guard_tolerance and cfg.select_guard_metric is None:
+        raise ValueError("--select_guard_tolerance is a margin on --select_guard_metric: give --select_guard_metric")
+    if cfg.select_guard_tolerance < 0:
+        raise ValueError(f"--select_guard_tolerance must be >= 0, got {cfg.select_guard_tolerance}")
     if cfg.select_best:
         if not os.path.isdir(cfg.select_best):
             raise FileNotFoundError(f"--select_best: folder not found: {cfg.select_best}")
-        needs = {"match_f1": "crystal", "ordered_match_f1": "crystal", "math_accuracy": "math"}.get(cfg.select_metric)
-        if needs and needs not in cfg.metrics:
-            raise ValueError(f"--select_metric {cfg.select_metric} needs '{needs}' in --metrics")
+        for flag, metric in (("select_metric", cfg.select_metric), ("select_guard_metric", cfg.select_guard_metric)):
+            if metric is not None and metric not in SELECT_METRICS:
+                raise ValueError(f"--{flag} {metric!r}: choose from {', '.join(SELECT_METRICS)}")
+            needs = {"match_f1": "crystal", "ordered_match_f1": "crystal", "math_accuracy": "math"}.get(metric)
+            if needs and needs not in cfg.metrics:
+                raise ValueError(f"--{flag} {metric} needs '{needs}' in --metrics")
+        if cfg.select_guard_metric == cfg.select_metric:
+            raise ValueError(f"--select_guard_metric {cfg.select_guard_metric} is --select_metric itself: the best "
+                             "by a metric never falls below the first candidate's, so the guard would change nothing")
     if not 0.0 <= cfg.alpha <= 1.0:
         raise ValueError(f"--alpha must be in [0, 1], got {cfg.alpha}")
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
@@ -362,22 +382,40 @@ def checkpoints_in(folder):
 
 
 def select_best(cfg, rows):
-    """Score every checkpoint; the best by --select_metric (ties: the earliest) -> best_checkpoint.json."""
+    """Score every checkpoint; the best by --select_metric (ties: the earliest) -> best_checkpoint.json. With
+    --select_guard_metric, only among the candidates that keep that metric (`guarded_pick`)."""
     output_dir = cfg.output_dir or os.path.join(cfg.select_best, "eval")
-    scores, steps = {}, {}
+    scores, steps, guards = {}, {}, {}
     candidates = [(0, path, f"include-{j}") for j, path in enumerate(cfg.select_include)]
     candidates += [(step, path, os.path.basename(path)) for step, path in checkpoints_in(cfg.select_best)]
     for step, path, name in candidates:
         print(f"evaluating {path}", flush=True)
         metrics = score(cfg, rows, generate(cfg, path, rows), os.path.join(output_dir, name))
         scores[path], steps[path] = metrics[cfg.select_metric], step
-        print(f"  {cfg.select_metric} {scores[path]:.4f}", flush=True)
-    best = max(scores, key=lambda p: scores[p])  # max keeps the first (earliest) of equal scores
-    result = {"best_checkpoint": best, "best_step": steps[best], "metric": cfg.select_metric, "value": scores[best],
-              "scores": scores, "steps": steps}
+        guards[path] = metrics[cfg.select_guard_metric] if cfg.select_guard_metric else None
+        guard = f", {cfg.select_guard_metric} {guards[path]:.4f}" if cfg.select_guard_metric else ""
+        print(f"  {cfg.select_metric} {scores[path]:.4f}{guard}", flush=True)
+    result = {"metric": cfg.select_metric, "scores": scores, "steps": steps}
+    if cfg.select_guard_metric:
+        best, floor = guarded_pick(scores, guards, cfg.select_guard_tolerance)
+        result["guard"] = {"metric": cfg.select_guard_metric, "tolerance": cfg.select_guard_tolerance,
+                           "floor": floor, "values": guards, "eligible": [p for p in scores if guards[p] >= floor]}
+    else:
+        best = max(scores, key=lambda p: scores[p])  # max keeps the first (earliest) of equal scores
+    result = {"best_checkpoint": best, "best_step": steps[best], "value": scores[best], **result}
     _write_json(os.path.join(output_dir, "best_checkpoint.json"), result)
-    print(f"best checkpoint by {cfg.select_metric}: {best} ({scores[best]:.4f})")
+    kept = f" among those with {cfg.select_guard_metric} >= {result['guard']['floor']:.4f}" if "guard" in result else ""
+    print(f"best checkpoint by {cfg.select_metric}{kept}: {best} ({scores[best]:.4f})")
     return result
+
+
+def guarded_pick(scores, guards, tolerance):
+    """The best candidate by `scores` (ties: the earliest) among those whose guard value is at least the first
+    candidate's minus `tolerance` (the first candidate itself always qualifies). Returns (best, that floor)."""
+    first = next(iter(scores))
+    floor = guards[first] - tolerance
+    eligible = [p for p in scores if guards[p] >= floor]
+    return max(eligible, key=lambda p: scores[p]), floor
 
 
 def print_table(metrics):

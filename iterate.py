@@ -26,6 +26,7 @@ and the SFT efficacy score. docs/openvlthinker.md has the details.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,13 @@ class IterateConfig:
     eval_dataset: str = TINY_DATASET  # held-out VQA rows (evaluate.py --dataset)
     eval_split: str = "test"  # split of --eval_dataset
     eval_samples: Optional[int] = None  # evaluate the first N rows; none: all
+    eval_benchmark: Optional[str] = field(default=None, metadata={
+        "help": "--eval_dataset is a local copy of this benchmark (mathvista, mathverse, mathvision), prompted and "
+                "scored by its own rules (evaluate.py --benchmark); none: VQA rows"})
+    eval_benchmarks: dict = field(default_factory=dict, metadata={
+        "help": "more held-out sets by name, each a mapping of evaluate.py flags over --evaluate (dataset, split, "
+                "benchmark, max_samples): the base model and each cycle's final model are scored on each, into "
+                "eval-base-<name>/ and cycle-i/eval-grpo-hard-<name>/ (OpenVLThinker reports MathVerse, MathVision)"})
     # the stages: a recipe each (a YAML of that script's flags) and overrides on top of it
     distill_recipe: Optional[str] = None  # distill.py recipe
     distill: dict = field(default_factory=dict)  # distill.py flags over --distill_recipe (JSON on the command line)
@@ -141,6 +149,13 @@ def validate(cfg):
         raise ConfigError(f"--accelerate_config: file not found: {cfg.accelerate_config}")
     if cfg.rl_eval_steps is not None and (cfg.rl_eval_steps < 1 or cfg.val_samples < 1):
         raise ConfigError(f"--rl_eval_steps ({cfg.rl_eval_steps}) and --val_samples ({cfg.val_samples}) must be >= 1")
+    for name, flags in cfg.eval_benchmarks.items():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", str(name)):
+            raise ConfigError(f"--eval_benchmarks: {name!r} names folders (eval-base-<name>): use letters, digits, "
+                              "'.', '_' and '-'")
+        if not isinstance(flags, dict) or not flags.get("dataset"):
+            raise ConfigError(f"--eval_benchmarks {name}: expected a mapping of evaluate.py flags with a dataset, "
+                              f"got {flags!r}")
     if cfg.next_data_serve and cfg.next_data != "model":
         raise ConfigError("--next_data_serve serves the previous cycle's model: it needs --next_data model")
     if cfg.next_data_serve and cfg.num_cycles > 1:
@@ -434,6 +449,19 @@ def mix_sft_sets(previous, new, size, keep_previous, seed, out_file):
     return {"rows": len(rows), "from_previous": n_old, "new": len(fresh)}
 
 
+def eval_recipe(cfg, evaluation, model, folder, bench=None):
+    """evaluate.py's flags for a held-out evaluation: --evaluate, then the held-out set (--eval_dataset as
+    --eval_benchmark, if set) or --eval_benchmarks' `bench` (its own flags over --evaluate), then the model, the
+    folder and the cycle's prompt template."""
+    if bench is None:
+        data = {"dataset": cfg.eval_dataset, "split": cfg.eval_split, "max_samples": cfg.eval_samples}
+        data.update({"benchmark": cfg.eval_benchmark} if cfg.eval_benchmark else {})
+    else:
+        data = {"max_samples": None, **cfg.eval_benchmarks[bench]}
+    return stage_recipe(None, {**evaluation, **data}, {"model": model, "output_dir": folder,
+                                                        "prompt_template": cfg.prompt_template})
+
+
 def picked(pick_dir):
     """evaluate.py --select_best's choice as the cycle records it: the checkpoint, its step (0: the stage's
     starting model) and every candidate's validation score by step."""
@@ -474,14 +502,17 @@ def keyword_summary(base_texts, sft_texts):
     return out
 
 
-def write_report(cfg, base_eval, cycles):
-    """report.json (every number) and report.png (accuracy after each stage, keyword frequencies)."""
+def write_report(cfg, base_eval, cycles, base_benchmarks=None):
+    """report.json (every number) and report.png (accuracy after each stage, keyword frequencies). With
+    --eval_benchmarks, the base model's and each cycle's final model's metrics on each (`benchmarks`)."""
     base_texts = completions(base_eval)
     report = {"base_model": cfg.base_model, "seed": cfg.seed, "base": eval_metrics(base_eval), "cycles": []}
+    report["base"]["benchmarks"] = {b: eval_metrics(folder) for b, folder in (base_benchmarks or {}).items()}
     for c in cycles:
         stages = {name: eval_metrics(folder) for name, folder in c["evals"].items()}
         report["cycles"].append({
             "cycle": c["cycle"], "data": c["data"], "stages": stages, "picked": c.get("picked", {}),
+            "benchmarks": {b: eval_metrics(folder) for b, folder in c.get("benchmarks", {}).items()},
             "sft_efficacy": sft_efficacy_score(base_texts, completions(c["evals"]["sft"])),
             # the score saturates at its cap of 2 when the base uses no keyword: what stands behind it
             "sft_keywords": keyword_summary(base_texts, completions(c["evals"]["sft"])),
@@ -561,11 +592,15 @@ def run_cycles(cfg: IterateConfig, runner):
             start_stage(name, folder, values, config_cls, restart=cfg.restart_stage)
         return os.path.join(folder, "recipe.yaml")
 
-    def evaluate(name, folder, model):
-        recipe = stage_recipe(None, evaluation, {"model": model, "dataset": cfg.eval_dataset, "split": cfg.eval_split,
-                                                 "max_samples": cfg.eval_samples, "output_dir": folder, **template})
+    def evaluated(name, folder, model, bench=None):
+        """evaluate.py of `model` on the held-out set, or on --eval_benchmarks' `bench`."""
+        recipe = eval_recipe(cfg, evaluation, model, folder, bench)
         runner.run(name, folder, runner.python("evaluate.py", stage(name, folder, recipe, configs["evaluate"])))
         return folder
+
+    def benchmarks(name, folder, model):
+        """{benchmark name: its evaluation folder} of `model` on every --eval_benchmarks set."""
+        return {bench: evaluated(f"{name}-{bench}", f"{folder}-{bench}", model, bench) for bench in cfg.eval_benchmarks}
 
     def train(name, folder, script, config_cls, recipe, overrides, forced, defaults=None):
         values = stage_recipe(recipe, overrides, {**forced, "output_dir": folder, "resume_from_checkpoint": "latest"},
@@ -612,6 +647,9 @@ def run_cycles(cfg: IterateConfig, runner):
         distill.validate(write_recipe(stage_recipe(cfg.distill_recipe, cfg.distill,
                                                    {"output_dir": check_dir, **template}),
                                       os.path.join(check_dir, "r.yaml"), configs["distill"]))
+        for bench in [None, *cfg.eval_benchmarks]:  # the held-out set and each benchmark (a misspelt name, a typo)
+            evaluate.validate(write_recipe(eval_recipe(cfg, evaluation, cfg.base_model, check_dir, bench),
+                                                  os.path.join(check_dir, "r.yaml"), configs["evaluate"]))
     finally:
         shutil.rmtree(check_dir, ignore_errors=True)
     rl_data = os.path.join(out, "rl-data")
@@ -619,7 +657,8 @@ def run_cycles(cfg: IterateConfig, runner):
     base_model = resolve_tiny_name(cfg.base_model)
     write_rl_data(cfg, rl_data)
     val_data = write_val_data(cfg, os.path.join(out, "val-data")) if cfg.rl_eval_steps else None
-    base_eval = evaluate("eval-base", os.path.join(out, "eval-base"), base_model)
+    base_eval = evaluated("eval-base", os.path.join(out, "eval-base"), base_model)
+    base_benchmarks = benchmarks("eval-base", os.path.join(out, "eval-base"), base_model)
     rl_columns = {"dataset_name": rl_data, "dataset_split": "train", "image_column": "image",
                   "question_column": "question", "answer_column": "answer", **template}
     cycles, previous_set, previous_model = [], None, None
@@ -654,11 +693,11 @@ def run_cycles(cfg: IterateConfig, runner):
         sft_model = train(f"cycle-{i}/sft", os.path.join(folder, "sft"), "train_sft.py", configs["sft"],
                           cfg.sft_recipe, cfg.sft, {"model_name_or_path": base_model, "dataset_name": sft_set,
                                                      "dataset_format": "sharegpt", "dataset_split": "train"})
-        evals = {"sft": evaluate(f"cycle-{i}/eval-sft", os.path.join(folder, "eval-sft"), sft_model)}
+        evals = {"sft": evaluated(f"cycle-{i}/eval-sft", os.path.join(folder, "eval-sft"), sft_model)}
         medium, medium_last, medium_pick = rl_stage(
             f"cycle-{i}/grpo-medium", os.path.join(folder, "grpo-medium"), cfg.grpo_medium_recipe, cfg.grpo_medium,
             {"model_name_or_path": sft_model, "curriculum": ["medium"], **rl_columns})
-        evals["grpo-medium"] = evaluate(f"cycle-{i}/eval-grpo-medium", os.path.join(folder, "eval-grpo-medium"),
+        evals["grpo-medium"] = evaluated(f"cycle-{i}/eval-grpo-medium", os.path.join(folder, "eval-grpo-medium"),
                                         medium)
         hard_data = {}
         medium_cfg = parse_config(configs["grpo"], ["--config", os.path.join(folder, "grpo-medium", "recipe.yaml")])
@@ -668,18 +707,21 @@ def run_cycles(cfg: IterateConfig, runner):
         hard, _, hard_pick = rl_stage(f"cycle-{i}/grpo-hard", os.path.join(folder, "grpo-hard"), cfg.grpo_hard_recipe,
                                       cfg.grpo_hard, {"model_name_or_path": medium, "curriculum": ["hard"],
                                                       **rl_columns, **hard_data})
-        evals["grpo-hard"] = evaluate(f"cycle-{i}/eval-grpo-hard", os.path.join(folder, "eval-grpo-hard"), hard)
+        evals["grpo-hard"] = evaluated(f"cycle-{i}/eval-grpo-hard", os.path.join(folder, "eval-grpo-hard"), hard)
+        finals = benchmarks(f"cycle-{i}/eval-grpo-hard", os.path.join(folder, "eval-grpo-hard"), hard)
 
         seconds = sum((Runner.done(f) or {}).get("seconds", 0.0) for f in _stage_folders(folder))
         picks = {k: v for k, v in (("grpo-medium", medium_pick), ("grpo-hard", hard_pick)) if v}
-        cycles.append({"cycle": i, "data": data, "evals": evals, "picked": picks,
+        cycles.append({"cycle": i, "data": data, "evals": evals, "picked": picks, "benchmarks": finals,
                        "seconds": seconds or time.monotonic() - start})
         previous_set, previous_model = sft_set, hard
-        report = write_report(cfg, base_eval, cycles)
+        report = write_report(cfg, base_eval, cycles, base_benchmarks)
         print(f"[iterate] cycle {i}: held-out accuracy " + ", ".join(
             f"{s} {m['accuracy']:.3f}" for s, m in report["cycles"][-1]["stages"].items()) +
             f" (base {report['base']['accuracy']:.3f})" + "".join(
-            f"; {s} picked step {p['step']}" for s, p in report["cycles"][-1]["picked"].items()), flush=True)
+            f"; {s} picked step {p['step']}" for s, p in report["cycles"][-1]["picked"].items()) + "".join(
+            f"; {b} {m['accuracy']:.3f} (base {report['base']['benchmarks'][b]['accuracy']:.3f})"
+            for b, m in report["cycles"][-1]["benchmarks"].items()), flush=True)
     print(f"[iterate] wrote {os.path.join(out, 'report.json')} and report.png; claims: {report['claims']}", flush=True)
     return report
 

@@ -10,45 +10,16 @@ import pytest
 import evaluate
 import rewards.judge
 from evaluate import EvalConfig
+from tests.benchmark_helpers import write_mathverse, write_mathvision, write_mathvista
 from utils.core.errors import InputError
 from utils.core.http import Reply
 from utils.eval.benchmarks import LLMAnswerExtractor, benchmark_correct, load_benchmark
 
 
-def _image(folder, name):
-    (folder / "images").mkdir(exist_ok=True)
-    PIL.Image.new("RGB", (8, 8), "white").save(folder / "images" / name)
-    return f"images/{name}"
-
-
-def _mathvista_record(pid, question, choices, answer, question_type, answer_type, precision=None, unit=None):
-    hint = ("Hint: Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
-            if question_type == "multi_choice" else "Hint: Please answer the question requiring an answer.")
-    query = f"{hint}\nQuestion: {question}" + ("\nChoices:\n" + "\n".join(
-        f"({chr(65 + i)}) {c}" for i, c in enumerate(choices)) if choices else "")
-    return {"pid": pid, "question": question, "image": f"images/{pid}.jpg", "choices": choices, "unit": unit,
-            "precision": precision, "answer": answer, "question_type": question_type, "answer_type": answer_type,
-            "query": query, "metadata": {"split": "testmini", "language": "english", "img_width": 8,
-                                         "img_height": 8, "source": "hand-written", "category": "math-targeted-vqa",
-                                         "task": "geometry problem solving", "context": "geometry diagram",
-                                         "grade": "high school", "skills": ["geometry reasoning"]}}
-
-
 @pytest.fixture
 def mathvista(tmp_path):
     """MathVista's testmini.json (a dict keyed by pid), images beside it."""
-    records = [_mathvista_record("1", "Which is the length of AB?", ["2", "4", "6"], "4", "multi_choice", "text"),
-               _mathvista_record("2", "How long is the side? (Unit: cm)", None, "5", "free_form", "integer",
-                                 unit="cm"),
-               _mathvista_record("3", "What is the ratio? (round to 1 decimal)", None, "1.2", "free_form", "float",
-                                 precision=1.0),
-               _mathvista_record("4", "What is the share?", None, "0.75", "free_form", "float", precision=2),
-               _mathvista_record("5", "List the roots.", None, "[1, 2]", "free_form", "list")]
-    for r in records:
-        _image(tmp_path, f"{r['pid']}.jpg")
-    path = tmp_path / "testmini.json"
-    path.write_text(json.dumps({r["pid"]: r for r in records}))
-    return str(path)
+    return write_mathvista(tmp_path)
 
 
 @pytest.mark.parametrize("pid, response, correct", [
@@ -88,21 +59,7 @@ def test_mathvista_rows_prompt_with_query_and_read_the_hub_release(mathvista, tm
 
 
 def test_mathverse_official_schema_and_rules(tmp_path):
-    base = {"problem_index": "685", "image": _image(tmp_path, "image_685.png"),
-            "metadata": {"split": "testmini", "source": "hand-written", "subject": "Plane Geometry",
-                         "subfield": "Length"}}
-    question = ("Is this relation a function?\nChoices:\nA:This is a function\nB:This is not a function")
-    records = [
-        {**base, "sample_index": "1", "problem_version": "Text Dominant", "question": question, "answer": "B",
-         "question_type": "multi-choice", "query_wo": "Please directly answer.\nQuestion: " + question,
-         "query_cot": "Please first conduct reasoning, and then answer the question.\nQuestion: " + question},
-        {**base, "sample_index": "2", "problem_version": "Vision Only", "question": "", "answer": "14",
-         "question_type": "free-form", "query_wo": "According to the question shown in the image, answer.",
-         "query_cot": "According to the question shown in the image, please first conduct reasoning."},
-        {**base, "sample_index": "3", "problem_version": "Text Lite", "question": "Find the ratio.",
-         "answer": "\\frac{1}{2}", "question_type": "free-form", "query_wo": "Find it.", "query_cot": "Find it."}]
-    path = tmp_path / "testmini.json"
-    path.write_text(json.dumps(records))
+    path = write_mathverse(tmp_path)
     rows = {r["id"]: r for r in load_benchmark("mathverse", str(path))}
     assert rows["1"]["question"].startswith("Please first conduct reasoning") and rows["2"]["image"].size == (8, 8)
     cases = [("1", "B", True), ("1", "(B)", True), ("1", "B: This is not a function", True),
@@ -113,19 +70,7 @@ def test_mathverse_official_schema_and_rules(tmp_path):
 
 
 def test_mathvision_official_schema_and_rules(tmp_path):
-    records = [
-        {"id": "6", "question": "Which picture shows the kittens?\n<image1>", "options": ["A", "B", "C", "D", "E"],
-         "answer": "D", "solution": None, "level": 3, "subject": "logic", "image": _image(tmp_path, "6.jpg")},
-        {"id": "91", "question": "How long is the room? <image1>",
-         "options": ["$6 \\mathrm{~m}$", "$8 \\mathrm{~m}$", "$10 \\mathrm{~m}$", "$11 \\mathrm{~m}$",
-                     "$12 \\mathrm{~m}$"], "answer": "E", "solution": None, "level": 1,
-         "subject": "combinatorial geometry", "image": _image(tmp_path, "91.jpg")},
-        {"id": "5", "question": "Which number do you have to write in the last daisy?\n<image1>", "options": [],
-         "answer": "61", "solution": None, "level": 2, "subject": "arithmetic", "image": _image(tmp_path, "5.jpg")},
-        {"id": "7", "question": "What fraction is shaded?\n<image1>", "options": [], "answer": "\\frac{3}{4}",
-         "solution": None, "level": 2, "subject": "arithmetic", "image": _image(tmp_path, "7.jpg")}]
-    path = tmp_path / "testmini.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_mathvision(tmp_path)
     rows = {r["id"]: r for r in load_benchmark("mathvision", str(path))}
     assert rows["91"]["choices"][4] == "$12 \\mathrm{~m}$" and rows["5"]["choices"] is None
     cases = [("6", "D", True), ("6", "(D)", True), ("6", "The answer is D.", True), ("6", "C", False),

@@ -58,11 +58,56 @@ def test_select_include_is_step_zero_and_wins_ties(questions, tmp_path, monkeypa
         evaluate.validate(EvalConfig(model="m", select_include=["x"]))
 
 
-def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, monkeypatch):
+def test_select_guard_metric_picks_the_best_that_keeps_the_first_candidates_value(questions, tmp_path, monkeypatch):
+    """CRYSTAL's final pick, 'the best Match F1 without losing accuracy', as --select_metric X --select_guard_metric Y:
+    the best by X among the candidates whose Y is not below the first candidate's (minus the tolerance). Here X is
+    format and Y accuracy, each answer rigged per model: checkpoint-2 formats every answer but gets none right (the
+    best format, accuracy lost), checkpoint-4 and -6 keep the start's accuracy with better format (a tie: the
+    earliest)."""
     path, rows = questions
     run = tmp_path / "run"
-    launched = {}
+    _checkpoints(run, [2, 4, 6])
+    n = len(rows)
 
+    def answers(table):
+        """evaluate.generate answering (rows answered in the JSON format, of them rows right) by model."""
+        def generate(cfg, model_path, rows):
+            answered, right = table[os.path.basename(model_path)]
+            return [json.dumps({"reasoning_steps": ["I count."], "answer": r["answer"] if i < right else "none"})
+                    if i < answered else "I do not know." for i, r in enumerate(rows)]
+        monkeypatch.setattr(evaluate, "generate", generate)
+
+    answers({"start-model": (6, 6), "checkpoint-2": (n, 0), "checkpoint-4": (9, 6), "checkpoint-6": (9, 6)})
+    base = {"select_best": str(run), "select_include": ["start-model"], "dataset": path, "split": "train",
+            "metrics": ["accuracy"], "select_metric": "format", "output_dir": str(tmp_path / "pick")}
+    assert os.path.basename(evaluate.main(EvalConfig(**base))["best_checkpoint"]) == "checkpoint-2"  # unguarded
+    result = evaluate.main(EvalConfig(**base, select_guard_metric="accuracy"))
+    assert (os.path.basename(result["best_checkpoint"]), result["best_step"], result["value"]) == ("checkpoint-4", 4,
+                                                                                                  0.75)
+    guard = json.loads((tmp_path / "pick" / "best_checkpoint.json").read_text())["guard"]
+    assert (guard["metric"], guard["floor"]) == ("accuracy", 0.5)
+    assert [os.path.basename(p) for p in guard["eligible"]] == ["start-model", "checkpoint-4", "checkpoint-6"]
+    # a tolerance of half the accuracy lets checkpoint-2 back in
+    loose = evaluate.main(EvalConfig(**base, select_guard_metric="accuracy", select_guard_tolerance=0.5))
+    assert os.path.basename(loose["best_checkpoint"]) == "checkpoint-2" and loose["guard"]["floor"] == 0.0
+    # every checkpoint loses accuracy: the start itself is kept
+    answers({"start-model": (6, 6), "checkpoint-2": (n, 5), "checkpoint-4": (9, 0), "checkpoint-6": (n, 1)})
+    kept = evaluate.main(EvalConfig(**base, select_guard_metric="accuracy"))
+    assert (kept["best_checkpoint"], kept["best_step"]) == ("start-model", 0)
+    # refused in one line where the guard cannot apply
+    for bad, message in [(dict(model="m", select_guard_metric="accuracy"), "give --select_best too"),
+                         (dict(base, select_guard_tolerance=0.1), "give --select_guard_metric"),
+                         (dict(base, select_guard_metric="accuracy", select_guard_tolerance=-0.1), "must be >= 0"),
+                         (dict(base, select_guard_metric="format"), "is --select_metric itself"),
+                         (dict(base, select_guard_metric="match_f1"), "needs 'crystal' in --metrics"),
+                         (dict(base, select_guard_metric="recall"), "choose from")]:
+        with pytest.raises(ValueError, match=message):
+            evaluate.validate(EvalConfig(**bad))
+
+
+def fake_stages(monkeypatch, launched):
+    """Runner.run in this process: evaluate.py for real (its generation rigged), distill.py an empty set, a training
+    stage the checkpoints its recipe says; each non-evaluation stage's recipe values go to `launched`."""
     def fake_run(self, name, folder, command, result=lambda: {}):
         if self.done(folder) is not None:
             return self.done(folder)
@@ -88,6 +133,14 @@ def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, m
 
     monkeypatch.setattr(Runner, "run", fake_run)
     monkeypatch.setattr(Runner, "forward_signals", lambda self: None)
+
+
+def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, monkeypatch):
+    path, rows = questions
+    run = tmp_path / "run"
+    launched = {}
+
+    fake_stages(monkeypatch, launched)
     # the medium stage is best at step 2 (of 2, 4, 5); the hard stage never beats its start
     rig(monkeypatch, good=[os.path.join("grpo-medium", "checkpoint-2")])
     grpo = {"max_steps": 5, "difficulty_samples": 1}
@@ -123,6 +176,69 @@ def test_each_rl_stage_continues_from_its_validation_pick(questions, tmp_path, m
     val = datasets.load_from_disk(str(run / "val-data"))
     assert val["id"] == [r["id"] for r in rows[8:11]]
     assert json.loads((run / "report.json").read_text())["cycles"][0]["picked"]["grpo-medium"]["step"] == 2
+
+
+def test_benchmark_stages_score_the_base_and_each_cycles_final_model_by_each_benchmarks_rules(questions, tmp_path,
+                                                                                                monkeypatch):
+    """OpenVLThinker's evaluation: every stage on MathVista (--eval_benchmark: its prompts and scorer), the base model
+    and each cycle's final model also on MathVerse and MATH-Vision (--eval_benchmarks), all local copies in the
+    releases' own formats; the RL stages' validation picks stay on the validation rows, without a benchmark."""
+    from tests.benchmark_helpers import write_mathverse, write_mathvision, write_mathvista
+
+    path, _ = questions
+    run, launched = tmp_path / "run", {}
+    sets = {}
+    for name, write in (("mathvista", write_mathvista), ("mathverse", write_mathverse),
+                        ("mathvision", write_mathvision)):
+        (tmp_path / name).mkdir()
+        sets[name] = write(tmp_path / name)
+    fake_stages(monkeypatch, launched)
+    rig(monkeypatch, good=[os.path.join("grpo-hard", "checkpoint-4")])
+    grpo = {"max_steps": 5, "difficulty_samples": 1}
+    distill = dict(dataset=path, caption_column="caption", captioner=None, reasoner_base_url="http://127.0.0.1:9/v1")
+    cfg = IterateConfig(num_cycles=1, base_model=str(tmp_path / "base"), output_dir=str(run), rl_dataset=path,
+                        rl_samples=8, rl_eval_steps=2, val_samples=3, distill=distill, grpo_medium=grpo,
+                        grpo_hard=grpo, evaluate={"metrics": ["accuracy", "keywords"]},
+                        eval_dataset=sets["mathvista"], eval_split="testmini", eval_benchmark="mathvista",
+                        eval_benchmarks={"mathverse": {"benchmark": "mathverse", "dataset": sets["mathverse"]},
+                                         "mathvision": {"benchmark": "mathvision", "dataset": sets["mathvision"],
+                                                        "max_samples": 3}})
+    report = iterate.main(cfg)
+
+    recipe = lambda folder: yaml.safe_load((run / folder / "recipe.yaml").read_text())  # noqa: E731
+    assert (recipe("eval-base")["benchmark"], recipe("eval-base")["dataset"]) == ("mathvista", sets["mathvista"])
+    assert recipe("eval-base-mathvision")["max_samples"] == 3 and recipe("eval-base-mathverse")["max_samples"] is None
+    assert recipe(os.path.join("cycle-1", "eval-grpo-hard-mathverse"))["model"] == str(
+        run / "cycle-1" / "grpo-hard" / "checkpoint-4")  # the cycle's final model: the hard stage's pick
+    assert "benchmark" not in recipe(os.path.join("cycle-1", "grpo-medium-pick"))  # validation rows, not a benchmark
+    # the base answers "none" to everything, the final model each benchmark's gold answer: every rule accepts it
+    assert report["base"]["accuracy"] == 0.0 and report["cycles"][0]["stages"]["grpo-hard"]["accuracy"] == 1.0
+    assert {b: m["accuracy"] for b, m in report["base"]["benchmarks"].items()} == {"mathverse": 0.0, "mathvision": 0.0}
+    final = report["cycles"][0]["benchmarks"]
+    assert {b: (m["accuracy"], m["samples"]) for b, m in final.items()} == {"mathverse": (1.0, 3),
+                                                                             "mathvision": (1.0, 3)}
+    assert final["mathverse"]["accuracy/problem_version=Vision Only"] == 1.0  # the benchmark's own breakdown
+    metrics = json.loads((run / "cycle-1" / "eval-grpo-hard-mathverse" / "metrics.json").read_text())
+    assert metrics["benchmark"] == "mathverse"
+    assert not (run / "cycle-1" / "eval-sft-mathverse").exists()  # the intermediate stages: MathVista only
+
+
+def test_benchmark_stages_are_checked_before_any_stage_runs(questions, tmp_path, monkeypatch):
+    path, _ = questions
+    distill = dict(dataset=path, caption_column="caption", captioner=None, reasoner_base_url="http://127.0.0.1:9/v1")
+    monkeypatch.setattr(Runner, "forward_signals", lambda self: None)
+    for benchmarks, message in [({"mv": {"benchmark": "mathvistaa", "dataset": path}}, "--benchmark 'mathvistaa'"),
+                                ({"a/b": {"dataset": path}}, "names folders"),
+                                ({"mv": {"benchmark": "mathverse"}}, "with a dataset"),
+                                ({"mv": {"dataset": path, "splitt": "x"}}, "unknown key 'splitt'")]:
+        out = tmp_path / str(len(message))
+        with pytest.raises(ValueError, match=message):
+            iterate.main(IterateConfig(output_dir=str(out), rl_dataset=path, distill=distill,
+                                       eval_benchmarks=benchmarks))
+        assert not (out / "eval-base").exists()
+    with pytest.raises(ValueError, match="--benchmark 'mathvist'"):
+        iterate.main(IterateConfig(output_dir=str(tmp_path / "x"), rl_dataset=path, distill=distill,
+                                   eval_benchmark="mathvist"))
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ from utils.core.tracking import read_jsonl
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 ZERO3 = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator (gloo)
-GRPO_RECIPES = ["crystal_answer_only", "crystal_cpr", "crystal_phase2", "crystal_spr", "openvlthinker_grpo_medium",
-                "openvlthinker_grpo_hard"]
+GRPO_RECIPES = ["crystal_answer_only", "crystal_cpr", "crystal_phase2", "crystal_spr", "crystal_cpr_internvl",
+                "openvlthinker_grpo_medium", "openvlthinker_grpo_hard"]
 R3_RECIPES = ["r3_geneval", "r3_geneval_plus", "r3_tiif"]
 FLOW_RECIPES = ["flow_grpo_sd3_geneval", "flow_grpo_sd3_pickscore", "flow_grpo_sd3_ocr",
                 "flow_grpo_qwenimage_pickscore"]
@@ -97,6 +97,7 @@ def assets(tmp_path_factory):
     import datasets
 
     from tiny.cache import tiny_vlm_path
+    from tiny.models import make_tiny_vlm
     from tiny.pipelines import make_tiny_qwenimage
     from tiny.t2i import make_t2i_prompts, write_jsonl
 
@@ -126,6 +127,7 @@ def assets(tmp_path_factory):
                 for i in range(4)]
         return dict(
             root=root, vlm=tiny_vlm_path(), generator=make_tiny_qwenimage(str(root / "qwenimage")),
+            internvl=make_tiny_vlm(str(root / "internvl3_5"), family="internvl3_5"),
             crystal=str(root / "crystal.parquet"),
             rl=write_jsonl(rl, str(root / "openvlthinker_rl.jsonl")),
             sft=write_jsonl(sft, str(root / "openvlthinker_sft.jsonl")),
@@ -173,7 +175,8 @@ def _run(name, out, args):
 
 # One recipe per script kind also resumes (the others only train): resume itself is the same code for every recipe of a
 # script, and each resume is a second launch (about half of a recipe's test time).
-RESUMED = {"crystal_cpr", "openvlthinker_grpo_hard", "openvlthinker_sft", "r3_geneval", "flow_grpo_sd3_pickscore"}
+RESUMED = {"crystal_cpr", "crystal_cpr_internvl", "openvlthinker_grpo_hard", "openvlthinker_sft", "r3_geneval",
+           "flow_grpo_sd3_pickscore"}
 
 
 def _two_steps_then_resume(name, tmp_path, args, keys):
@@ -218,6 +221,9 @@ GRPO_SHRUNK = dict(num_generations=2, per_device_train_batch_size=2, gradient_ac
 
 def _grpo_args(name, assets):
     args = dict(GRPO_SHRUNK, model_name_or_path=assets["vlm"])
+    if name == "crystal_cpr_internvl":  # the tiny InternVL3.5: its tiles (2, not 12), no Qwen pixel budget
+        args = dict({k: v for k, v in GRPO_SHRUNK.items() if k != "max_pixels"}, model_name_or_path=assets["internvl"],
+                    max_anyres_num=2)
     if name.startswith("crystal"):
         args["dataset_name"] = assets["crystal"]
     elif name == "openvlthinker_grpo_medium":

@@ -82,6 +82,14 @@ def test_crystal_recipes_carry_the_published_settings():
     assert "accuracy" not in phase2.reward_funcs  # CPR carries the answer term: counted once
     spr = grpo_config("crystal_spr.yaml")
     assert spr.reward_weights == [3.0, 1.0, 3.0] and spr.reward_kwargs["spr"]["threshold"] == 0.70
+    # training/scripts/train_cpr_internvl.sh: InternVL3.5-4B, lr 5e-6, 12 tiles, the InternVL phase-2 CPR weights
+    internvl = grpo_config("crystal_cpr_internvl.yaml")
+    assert (internvl.model_name_or_path, internvl.learning_rate, internvl.max_anyres_num, internvl.max_pixels) == (
+        "OpenGVLab/InternVL3_5-4B-HF", 5e-6, 12, None)
+    assert internvl.reward_funcs == ["format", "accuracy", "cpr"] and internvl.reward_weights == [2.0, 2.0, 2.0]
+    assert internvl.reward_kwargs == {"cpr": {"answer_weight": 0.65, "step_weight": 0.35}}
+    assert (internvl.num_generations, internvl.per_device_train_batch_size, internvl.gradient_accumulation_steps,
+            internvl.num_train_epochs, internvl.save_steps, internvl.seed) == (5, 5, 2, 2, 100, 42)
 
 
 def test_openvlthinker_grpo_recipes():
@@ -106,7 +114,7 @@ def test_grpo_recipes_set_what_they_rely_on(path):
 
 
 def test_crystal_recipes_read_the_crystal_data_set_with_its_own_columns():
-    for name in ("crystal_answer_only", "crystal_cpr", "crystal_phase2", "crystal_spr"):
+    for name in ("crystal_answer_only", "crystal_cpr", "crystal_phase2", "crystal_spr", "crystal_cpr_internvl"):
         cfg = grpo_config(f"{name}.yaml")
         assert cfg.dataset_name == "waybarrios/CRYSTAL"
         assert (cfg.image_column, cfg.question_column, cfg.answer_column, cfg.steps_column, cfg.choices_column) == (
