@@ -147,12 +147,12 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     # generation: vLLM engine (with --use_vllm; docs/distributed.md)
     vllm_mode: str = choice(*VLLM_MODES, help=(
         "colocate: an engine inside every training process; server: a generation server on other GPUs "
-        "(python vllm_serve.py: TRL's trl vllm-serve protocol), weights pushed after every optimizer step"))
+        "(vllm serve / trl vllm-serve, or python vllm_serve.py), weights pushed after every optimizer step"))
     vllm_server_base_url: Optional[str] = None  # server mode: the server's URL; none: http://<host>:<port>
     vllm_server_host: str = "0.0.0.0"  # server mode: the server's host (TRL's default; give its address)
     vllm_server_port: int = 8000  # server mode: the server's HTTP port
     vllm_server_timeout: float = 240.0  # server mode: seconds to wait for the server to come up
-    vllm_group_port: int = 51216  # server mode: port of the weight-update group's store, on the server's host
+    vllm_group_port: int = 51216  # server mode: port of the weight-update group's store (vllm serve: on the trainer)
     vllm_tensor_parallel_size: int = 1  # colocate mode: processes (GPUs) each engine is sharded over
     vllm_model_impl: str = choice("vllm", "transformers", help="colocate mode: vLLM's model code or transformers'")
     vllm_max_model_length: Optional[int] = None  # TRL's name for --vllm_max_model_len

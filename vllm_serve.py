@@ -1,16 +1,17 @@
-"""The generation server of `train_grpo.py --use_vllm --vllm_mode server`: vLLM's engine behind TRL's `trl vllm-serve`
-HTTP protocol (utils/core/vllm_client.py lists the endpoints), on GPUs of its own.
+"""A generation server for `train_grpo.py --use_vllm --vllm_mode server`: vLLM's engine behind the older `trl
+vllm-serve` HTTP protocol (utils/core/vllm_client.py lists the endpoints), on GPUs of its own.
 
     CUDA_VISIBLE_DEVICES=7 python vllm_serve.py --model Qwen/Qwen2.5-VL-7B-Instruct --port 8000
     CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6 accelerate launch --num_processes 7 train_grpo.py --use_vllm \
         --vllm_mode server --vllm_server_host 127.0.0.1 --config recipes/crystal_cpr.yaml
 
-The flags are `trl vllm-serve`'s (a TRL server of this protocol serves our trainer too, and this one serves TRL's
-GRPOTrainer), plus `--mm_processor_kwargs` / `--limit_mm_per_prompt` for vision-language models: the trainer sends its
-own prompt token ids, image placeholders already expanded, so the server's image processor must size each image as the
-trainer's did (the trainer checks the echoed ids and names the flag when they differ). Requests queue and run one at
-a time on the engine, in the order they came: weight updates that arrive before a generate request are loaded before
-it runs. docs/distributed.md.
+The trainer speaks vLLM's own `vllm serve` too (what TRL 1.16's `trl vllm-serve` runs; docs/distributed.md). The flags
+are those of the TRL releases whose `trl vllm-serve` was a script of this protocol (its servers serve our trainer, and
+this one serves their GRPOTrainer), plus `--mm_processor_kwargs` / `--limit_mm_per_prompt` for vision-language models:
+the trainer sends its own prompt token ids, image placeholders already expanded, so the server's image processor must
+size each image as the trainer's did (the trainer checks the echoed ids and names the flag when they differ). Requests
+queue and run one at a time on the engine, in the order they came: weight updates that arrive before a generate
+request are loaded before it runs. docs/distributed.md.
 """
 
 import json
@@ -244,7 +245,7 @@ class VLLMEngine:
                       max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                       kv_cache_dtype=cfg.kv_cache_dtype, trust_remote_code=cfg.trust_remote_code,
                       model_impl=cfg.vllm_model_impl, seed=cfg.seed,
-                      worker_extension_cls="utils.core.vllm_client.WeightSyncWorkerExtension",
+                      worker_extension_cls="utils.core.vllm_group.WeightSyncWorkerExtension",
                       # the log-probs of what was sampled, after temperature: what the trainer's importance
                       # sampling correction compares with its own
                       logprobs_mode="processed_logprobs")

@@ -101,12 +101,15 @@ else
 fi
 
 # ---- 4. vLLM colocate: a tiny Qwen2.5-VL, a tiny text LLM, the LLM with LoRA (bench/vllm_smoke.py); then server
-#         mode: vllm_serve.py on the GPU, two train_grpo.py --vllm_mode server steps on the CPU (gloo weight pushes)
+#         mode: vllm_serve.py on the GPU, two train_grpo.py --vllm_mode server steps on the CPU (gloo weight pushes);
+#         then vLLM's `vllm serve` as `trl vllm-serve` starts it (two GPUs: GRPO steps with NCCL pushes; one: the
+#         client's requests and replies)
 if has vllm; then
     check vllm_smoke 150 "$PY" bench/vllm_smoke.py --timeout 70 --out "$RESULTS"
     check vllm_server_smoke 120 "$PY" bench/vllm_server_smoke.py --timeout 90 --out "$RESULTS"
+    check vllm_serve_smoke 120 "$PY" bench/vllm_server_smoke.py --server vllm --timeout 90 --out "$RESULTS"
 else
-    log "SKIP vllm_smoke, vllm_server_smoke: vLLM is not installed (pip install -r requirements-vllm.txt)"
+    log "SKIP vllm_smoke, vllm_server_smoke, vllm_serve_smoke: no vLLM (pip install -r requirements-vllm.txt)"
 fi
 
 # ---- 5. train_grpo.py on one GPU without DeepSpeed, then the same with --use_vllm (engine asleep while training;

@@ -2,6 +2,7 @@
 backoff, a wall-clock bound per attempt and a deadline for the whole call.
 
     reply = post(url, what="judge", json=body, timeout=60, max_retries=3, backoff=0.5, deadline=300)
+    reply = request("GET", url, what="vLLM server", params={...}, timeout=10, max_retries=0)
 
 An attempt ends after `timeout` seconds of wall clock whatever the server does: `requests`' own timeout bounds each
 socket read only, so a server that trickles a byte now and then would hold a call (and a run) for ever; here the
@@ -18,7 +19,7 @@ import json as jsonlib
 import logging
 import threading
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import requests
 
@@ -39,6 +40,7 @@ class HTTPTimeout(HTTPFailure, TimeoutError):
 class Reply(NamedTuple):
     status: int
     content: bytes
+    headers: Optional[dict] = None
 
     @property
     def text(self) -> str:
@@ -52,24 +54,31 @@ class _Slow(Exception):
     pass
 
 
-def _attempt(url, bound, request, out):
-    """One POST whose reply is read in chunks against `bound` (monotonic time); the result or error into `out`."""
+def _attempt(method, url, bound, options, out):
+    """One request whose reply is read in chunks against `bound` (monotonic time); the result or error into `out`."""
     try:
-        with requests.post(url, timeout=max(bound - time.monotonic(), 0.001), stream=True, **request) as response:
+        with requests.request(method, url, timeout=max(bound - time.monotonic(), 0.001), stream=True,
+                              **options) as response:
             chunks = []
             for chunk in response.iter_content(1 << 16):
                 chunks.append(chunk)
                 if time.monotonic() > bound:
                     raise _Slow()
-            out.append(Reply(response.status_code, b"".join(chunks)))
+            out.append(Reply(response.status_code, b"".join(chunks), dict(response.headers)))
     except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
         out.append(error)
 
 
-def post(url, *, what="server", timeout=60.0, max_retries=3, backoff=0.5, deadline=None, retry_timeouts=True,
-         failure=HTTPFailure, timeout_error=HTTPTimeout, **request) -> Reply:
-    """POST `request` (requests' keywords: json, data, headers) to `url`; see the module docstring. `failure` and
-    `timeout_error` are the exception classes raised (a caller's own, e.g. JudgeError)."""
+def post(url, **kwargs) -> Reply:
+    """POST to `url`: `request("POST", url, ...)`."""
+    return request("POST", url, **kwargs)
+
+
+def request(method, url, *, what="server", timeout=60.0, max_retries=3, backoff=0.5, deadline=None,
+            retry_timeouts=True, failure=HTTPFailure, timeout_error=HTTPTimeout, quiet=False, **options) -> Reply:
+    """`method` (GET, POST, ...) `url` with `options` (requests' keywords: json, data, params, headers); see the
+    module docstring. `failure` and `timeout_error` are the exception classes raised (a caller's own, e.g.
+    JudgeError). `quiet`: no warning per failed attempt (a caller polling a server that is still starting)."""
     shown = redact_url(url)
     start = time.monotonic()
     end = start + deadline if deadline is not None else float("inf")
@@ -82,7 +91,7 @@ def post(url, *, what="server", timeout=60.0, max_retries=3, backoff=0.5, deadli
         attempts += 1
         bound = min(time.monotonic() + timeout, end)
         out = []
-        worker = threading.Thread(target=_attempt, args=(url, bound, request, out), daemon=True,
+        worker = threading.Thread(target=_attempt, args=(method, url, bound, options, out), daemon=True,
                                   name="http-attempt")
         worker.start()
         worker.join(max(bound - time.monotonic(), 0.0) + 0.05)
@@ -101,7 +110,8 @@ def post(url, *, what="server", timeout=60.0, max_retries=3, backoff=0.5, deadli
             last = f"connection error: {redact_url(str(result))}"
         else:
             raise result
-        logger.warning("%s %s: %s (attempt %d/%d)", what, shown, last, attempt + 1, max_retries + 1)
+        if not quiet:
+            logger.warning("%s %s: %s (attempt %d/%d)", what, shown, last, attempt + 1, max_retries + 1)
     if time.monotonic() >= end:
         raise timeout_error(f"{what} {shown}: no usable reply within the deadline of {deadline}s ({attempts} "
                             f"attempts, timeout={timeout}s each); last error: {last}")

@@ -8,12 +8,12 @@ from utils.core.config import ConfigError
 from utils.core.vllm_weights import VLLM_LORA_RANKS, vllm_max_lora_rank
 
 FLAG_DEFAULTS = {
-    "vllm_mode": "colocate",  # colocate: an engine in every training process; server: vllm_serve.py on other GPUs
+    "vllm_mode": "colocate",  # colocate: an engine in every training process; server: a server on other GPUs
     "vllm_server_base_url": None,  # server mode: the server's URL; none: http://host:port
     "vllm_server_host": "0.0.0.0",  # server mode: the server's host (TRL's default)
     "vllm_server_port": 8000,  # server mode: the server's HTTP port
-    "vllm_server_timeout": 240.0,  # server mode: seconds to wait for the server to answer /health/
-    "vllm_group_port": 51216,  # server mode: the port of the weight-update group's store (on the server)
+    "vllm_server_timeout": 240.0,  # server mode: seconds to wait for the server to answer /health
+    "vllm_group_port": 51216,  # server mode: the weight-update group's store (on the trainer for vllm serve)
     "vllm_tensor_parallel_size": 1,  # colocate mode: GPUs (processes) each engine is sharded over
     "vllm_model_impl": "vllm",  # colocate mode: vLLM's own model code, or transformers'
     "vllm_lora_sync": "auto",  # LoRA: adapter (vLLM LoRA requests), merge (layers merged into the base), auto
@@ -30,12 +30,15 @@ FLAG_DEFAULTS = {
 
 
 VLLM_MODES = ("colocate", "server")
-# what a colocated engine is built with, and the vllm_serve.py flag that sets it on a server (None: no equivalent)
-COLOCATE_ONLY = {"vllm_tensor_parallel_size": "--tensor_parallel_size",
-                 "vllm_gpu_memory_utilization": "--gpu_memory_utilization", "vllm_max_model_len": "--max_model_len",
-                 "vllm_max_model_length": "--max_model_len", "vllm_enforce_eager": "--enforce_eager",
-                 "vllm_model_impl": "--vllm_model_impl", "vllm_enable_sleep_mode": None, "vllm_max_num_seqs": None,
-                 "vllm_max_num_batched_tokens": None}
+# what a colocated engine is built with, and the flags that set it on a server: vllm_serve.py's, `vllm serve`'s
+COLOCATE_ONLY = {"vllm_tensor_parallel_size": ("--tensor_parallel_size", "--tensor-parallel-size"),
+                 "vllm_gpu_memory_utilization": ("--gpu_memory_utilization", "--gpu-memory-utilization"),
+                 "vllm_max_model_len": ("--max_model_len", "--max-model-len"),
+                 "vllm_max_model_length": ("--max_model_len", "--max-model-len"),
+                 "vllm_enforce_eager": ("--enforce_eager", "--enforce-eager"),
+                 "vllm_model_impl": ("--vllm_model_impl", "--model-impl"), "vllm_enable_sleep_mode": (None, None),
+                 "vllm_max_num_seqs": (None, "--max-num-seqs"),
+                 "vllm_max_num_batched_tokens": (None, "--max-num-batched-tokens")}
 SERVER_ONLY = ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port")
 
 
@@ -73,7 +76,7 @@ def check_vllm_flags(cfg, num_processes):
         if not getattr(cfg, "use_peft", False):
             raise ConfigError("--vllm_lora_sync adapter sends the LoRA adapter, and without --use_peft there is none")
         if mode == "server":
-            raise ConfigError("--vllm_lora_sync adapter: the server protocol (TRL's) takes weights, not adapters; "
+            raise ConfigError("--vllm_lora_sync adapter: a server's weight updates take weights, not adapters; "
                               "a server gets the adapted layers merged (--vllm_lora_sync merge or auto)")
         if vllm_max_lora_rank(cfg.lora_r) is None:
             raise ConfigError(f"--vllm_lora_sync adapter: --lora_r {cfg.lora_r} is over vLLM's largest LoRA rank "
@@ -83,10 +86,11 @@ def check_vllm_flags(cfg, num_processes):
             raise ConfigError("--vllm_mode server needs --use_vllm (the mode says where vLLM generates)")
         return False
     if mode == "server":
-        for name, server_flag in COLOCATE_ONLY.items():
+        for name, (ours, vllms) in COLOCATE_ONLY.items():
             if flag(cfg, name) != FLAG_DEFAULTS.get(name):
-                where = (f"start the server with python vllm_serve.py {server_flag}" if server_flag else
-                         "the server's engine is set up when the server starts (vllm_serve.py)")
+                starts = [f"python vllm_serve.py {ours}" if ours else None, f"vllm serve {vllms}" if vllms else None]
+                where = (f"start the server with {' or '.join(s for s in starts if s)}" if any(starts) else
+                         "the server's engine is set up when the server starts")
                 raise ConfigError(f"--{name} sets up a colocated engine and does not apply to --vllm_mode server: "
                                   f"{where}")
         if getattr(cfg, "tools", None) and num_processes > 1:
@@ -106,7 +110,7 @@ def check_vllm_flags(cfg, num_processes):
 
 def lora_sync_mode(cfg):
     """'adapter' or 'merge' (or None without LoRA), from --vllm_lora_sync: auto is adapter in colocate mode where
-    vLLM holds the rank, merge otherwise (a server takes merged weights: TRL's protocol has no adapters)."""
+    vLLM holds the rank, merge otherwise (a server takes merged weights: neither protocol's update takes adapters)."""
     if not getattr(cfg, "use_peft", False):
         return None
     choice = flag(cfg, "vllm_lora_sync")

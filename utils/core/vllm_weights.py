@@ -33,13 +33,14 @@ def _merged_lora_weight(name, layer):
     return base.data if delta is None else delta.add_(base.data.float()).to(base.dtype)
 
 
-def iter_sync_weights(model, gather=None, adapter_layers=()):
+def iter_sync_weights(model, gather=None, adapter_layers=(), frozen=False):
     """(name, tensor) pairs to load into vLLM, with checkpoint names, one at a time.
 
     `gather(params)` is a context manager that materialises those parameters (DeepSpeed ZeRO-3's
     `GatheredParameters`; none otherwise): it is entered for one parameter, or for one LoRA layer (its base
     weight and adapters), while its tensor is handed out. Frozen parameters are skipped unless LoRA adapters
-    are merged into them, and so are the LoRA layers named in `adapter_layers` (they reach vLLM as an adapter).
+    are merged into them or `frozen` asks for every weight; the LoRA layers named in `adapter_layers` are skipped
+    (they reach vLLM as an adapter).
     Every process must iterate (under ZeRO-3 each gather is a collective).
     """
     gather = gather or (lambda params: contextlib.nullcontext())
@@ -55,7 +56,7 @@ def iter_sync_weights(model, gather=None, adapter_layers=()):
             layer = lora[owner]
             with gather(list(layer.parameters())):
                 yield clean, _merged_lora_weight(owner, layer)
-        elif param.requires_grad:
+        elif param.requires_grad or frozen:
             with gather([param]):
                 yield clean, param.data
 
