@@ -209,9 +209,10 @@ def _micro_recipe(distill_world, tmp_path):
         evaluate=dict(metrics=["accuracy", "keywords"], max_new_tokens=16, batch_size=8, cpu_threads=1))
 
 
-# One cycle here (the kill, the resume, every stage once); two cycles run in the full tier's
+# One cycle here (the kill, the resume, every stage once; full tier: a launch of minutes); two cycles run in
 # tests/test_iterate_pick.py (cycle 2's data mix, its SFT from the base model, the cross-cycle claims).
 @pytest.mark.slow
+@pytest.mark.full
 def test_cycles_sigkilled_mid_stage_resume_where_they_stopped(distill_world, tmp_path):
     cycles = 1
     recipe = tmp_path / "cycles.yaml"

@@ -369,6 +369,8 @@ def test_refine_rollout_keeps_the_input_image_without_an_edit_and_gives_it_no_im
     assert stats["ratio_max_dev_image"] < 1e-5 and stats["ratio_max_dev_text"] < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.full
 def test_refine_rollout_without_any_edit_still_runs_the_generator_on_one_image_and_trains_nothing(tiny, monkeypatch):
     cfg, gen = tiny["cfg"], tiny["gen"]
     reason = rollout(tiny)
@@ -728,6 +730,8 @@ def test_heldout_text_is_greedy_or_sampled_at_eval_temperature(tiny):
     assert reflect != sampled
 
 
+@pytest.mark.slow
+@pytest.mark.full
 def test_heldout_refine_keeps_images_without_an_edit_and_rescores_edited_ones(tiny, tmp_path, monkeypatch):
     cfg = replace(tiny["cfg"], dataset_name="shapes_t2i", reward_fn="shapes_t2i", reflect_refine=True,
                   reward_kwargs={"key": "score", "behaviour": "tiny"})

@@ -327,6 +327,8 @@ def test_a_fixed_shift_gives_r3s_schedule_on_the_real_scheduler_configs(pipeline
 
 # ---- R3's evaluation: refine rounds until "no further edit", per round and per tag ----
 
+@pytest.mark.slow
+@pytest.mark.full
 def test_eval_refine_rounds_stop_at_no_edit_and_report_each_round_and_tag(tiny, monkeypatch, tmp_path):
     parts = build(tiny)
     rows = [dict(r, tag=t) for r, t in zip(tiny["rows"], ("counting", "color"))]
