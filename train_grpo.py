@@ -95,6 +95,7 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     given, unless they name a model of their own. docs/grpo.md has the formulas, docs/flags.md every flag."""
 
     TRL_FLAGS: ClassVar[dict] = TRL_ONLY_FLAGS  # TRL's GRPOConfig flags read without fields of ours (trl_flags.py)
+    RECIPE_FOLLOWERS: ClassVar[dict] = {"reward_funcs": ("reward_weights",)}  # the recipe's weights fit its rewards
     # model
     model_name_or_path: str = field(default=TINY_MODEL,
                                     metadata={"help": "hub name or folder; 'tiny' builds the tiny VLM"})

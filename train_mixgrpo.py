@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from accelerate.utils import gather_object
@@ -90,6 +90,8 @@ class MixGRPOConfig(CheckpointFlags, OptimizerFlags):
     and the image part get their own advantages, losses and KL weights. Flags override the recipe of --config;
     without one, the tiny CPU recipe (recipes/tiny_mixgrpo.yaml) runs under the flags given, unless they name models
     of their own. docs/mixgrpo.md has the formulas, docs/flags.md every flag."""
+
+    RECIPE_FOLLOWERS: ClassVar[dict] = {"reward_fn": ("reward_kwargs",)}  # the tiny recipe's options fit its reward
 
     # model
     model_name_or_path: str = field(default=TINY, metadata={

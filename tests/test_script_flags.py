@@ -44,6 +44,23 @@ def test_a_flag_changes_only_itself_over_the_tiny_recipe(script, config, recipe,
         assert script.parse_args(["--max_steps", "100"]) == dataclasses.replace(tiny, max_steps=100)
 
 
+@pytest.mark.parametrize("script,flag,value,follower", [
+    (train_grpo, "reward_funcs", "accuracy", "reward_weights"),
+    (train_mixgrpo, "reward_fn", "pickscore", "reward_kwargs")], ids=["train_grpo", "train_mixgrpo"])
+def test_a_flag_takes_the_recipe_values_that_only_fit_its_old_value_with_it(script, flag, value, follower):
+    """The tiny GRPO recipe weighs its two rewards [0.5, 1.0]; --reward_funcs with one reward of one's own gets it
+    at weight 1 (not "2 weights for 1 reward"); Mix-GRPO's recipe passes its tiny scorer's options, which another
+    reward would refuse. Given with the flag, or under a --config, they stay."""
+    config = type(script.parse_args([]))
+    default = getattr(config(), follower)
+    assert getattr(script.parse_args([]), follower) != default  # the recipe sets it
+    changed = script.parse_args([f"--{flag}", value])
+    assert getattr(changed, flag) in (value, [value]) and getattr(changed, follower) == default
+    kept = {"reward_weights": ["2"], "reward_kwargs": ['{"divisor": 26}']}[follower]
+    both = script.parse_args([f"--{flag}", value, f"--{follower}", *kept])
+    assert getattr(both, follower) in ([2.0], {"divisor": 26})
+
+
 @pytest.mark.parametrize("script,config,recipe,model_flag", SCRIPTS, ids=IDS)
 def test_a_model_of_ones_own_or_a_config_starts_from_the_defaults(script, config, recipe, model_flag, tmp_path):
     own = script.parse_args([f"--{model_flag}", "/models/mine", "--seed", "7"])

@@ -286,15 +286,24 @@ def parse_config(config_cls, argv: list[str] | None = None, *, default_recipe=No
 
     `default_recipe`: the recipe read in place of a `--config` the command line does not give, so that each flag
     given changes only itself: a path, or a function of the flags given ({name: value as typed}) that returns a
-    path or None (no recipe: the defaults)."""
+    path or None (no recipe: the defaults). A config's `RECIPE_FOLLOWERS` ({flag: (flags, ...)}) names the default
+    recipe's values that only fit its own value of a flag (the weights of its reward functions): a command line that
+    gives the flag and not them gets the defaults for them."""
     parser = build_parser(config_cls)
     namespace = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     given = vars(namespace)
     specs = _specs(config_cls)
     recipe = given.pop("config", None)
-    if recipe is None and default_recipe is not None:
+    default = recipe is None and default_recipe is not None
+    if default:
         recipe = default_recipe(dict(given)) if callable(default_recipe) else default_recipe
     values = load_yaml_recipe(config_cls, recipe) if recipe else {}
+    if default:  # a default recipe's values that belong to a flag the command line replaced go with it
+        for flag, followers in getattr(config_cls, "RECIPE_FOLLOWERS", {}).items():
+            if flag in given:
+                for follower in followers:
+                    if follower not in given:
+                        values.pop(follower, None)
     values.update(take_foreign(config_cls, specs, given, "argument", _convert, ConfigError))
     for name, raw in given.items():
         values[name] = _convert(specs[name], raw, f"argument --{name}")
