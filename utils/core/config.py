@@ -298,12 +298,9 @@ def parse_config(config_cls, argv: list[str] | None = None, *, default_recipe=No
     if default:
         recipe = default_recipe(dict(given)) if callable(default_recipe) else default_recipe
     values = load_yaml_recipe(config_cls, recipe) if recipe else {}
-    if default:  # a default recipe's values that belong to a flag the command line replaced go with it
-        for flag, followers in getattr(config_cls, "RECIPE_FOLLOWERS", {}).items():
-            if flag in given:
-                for follower in followers:
-                    if follower not in given:
-                        values.pop(follower, None)
+    followers = getattr(config_cls, "RECIPE_FOLLOWERS", {}) if default else {}
+    for follower in {f for flag, fs in followers.items() if flag in given for f in fs} - set(given):
+        values.pop(follower, None)  # a default recipe's value that fits only its value of a flag given: the default
     values.update(take_foreign(config_cls, specs, given, "argument", _convert, ConfigError))
     for name, raw in given.items():
         values[name] = _convert(specs[name], raw, f"argument --{name}")
