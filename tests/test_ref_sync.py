@@ -6,13 +6,14 @@ import types
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 
 from tests.test_lora_reference import _Policy  # CompletionLogProbs' shape: `.model` is the HF model
 from utils.core.logprobs import AdapterDisabledReference
 from utils.core.ref_sync import ReferenceSync
 
 ACCELERATOR = types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=None), process_index=0,
-                                    unwrap_model=lambda m: m)
+                                    distributed_type=DistributedType.NO, unwrap_model=lambda m: m)
 IDS = torch.tensor([[3, 5, 7, 11, 13]])
 
 

@@ -24,8 +24,8 @@ EXPECTED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [pytest.param("ddp", marks=pytest.mark.full),
-                                    pytest.param("zero2", marks=pytest.mark.full), "zero3"])
+@pytest.mark.full  # the fast tier checks every file in-process (tests/test_reliability.py)
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3"])
 def test_a_pickle_planted_in_any_training_state_file_is_refused_under_every_engine(tmp_path, engine):
     out = tmp_path / "result.json"
     if engine == "ddp":
