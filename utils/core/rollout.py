@@ -107,7 +107,7 @@ def lean_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         while True:
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
             if length == prompt_length:
-                preallocate_cache(model_kwargs.get("cache"), total)
+                preallocate_cache(kv_cache(model_kwargs), total)
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
             del outputs
             rows = compaction.rows
@@ -158,7 +158,7 @@ class Compaction:
         known = all(isinstance(p, (*row_free, GumbelSampler)) for p in logits_processor)
         unknown_inputs = [k for k, v in model_kwargs.items() if torch.is_tensor(v) and k not in PER_ROW_INPUTS
                           and k not in PREFILL_ONLY_INPUTS and k not in MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL]
-        cache = model_kwargs.get("cache")
+        cache = kv_cache(model_kwargs)
         selectable = cache is None or (isinstance(cache, DynamicCache) and all(
             hasattr(type(layer), "batch_select_indices") for layer in cache.layers))
         return cls(known and not unknown_inputs and selectable and batch > cls.MIN_ROWS)
@@ -172,7 +172,7 @@ class Compaction:
         keep = running.nonzero().squeeze(1)
         if keep.numel() < self.MIN_ROWS:  # fill up with finished rows, which decode padding as in `generate`
             keep = torch.cat([keep, (~running).nonzero().squeeze(1)[: self.MIN_ROWS - keep.numel()]]).sort().values
-        cache, held = model_kwargs.get("cache"), running.numel()
+        cache, held = kv_cache(model_kwargs), running.numel()
         for name in PER_ROW_INPUTS:
             value = model_kwargs.get(name)
             if torch.is_tensor(value):
@@ -280,6 +280,11 @@ def _shared_prefill(model, prompts, prompt_index):
     for module in _rope_holders(model):
         module.rope_deltas = module.rope_deltas[idx]
     return {"input_ids": ids[idx], "attention_mask": prompts["attention_mask"][idx]}, cache
+
+
+def kv_cache(model_kwargs):
+    """The KV cache among `generate`'s model kwargs, under either of its names (`cache_kwargs`)."""
+    return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
 
 
 def cache_kwargs(model, cache):
