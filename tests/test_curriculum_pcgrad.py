@@ -4,8 +4,6 @@
 import pytest
 import torch
 
-from tests.grpo_helpers import shapes_assets
-from tiny.shapes import KINDS
 from utils.core.curriculum import combine_with_rating, levels_from_scores, stage_indices
 from utils.core.pcgrad import pcgrad_backward, pcgrad_combine
 from utils.core.samplers import CurriculumSampler
@@ -73,7 +71,13 @@ def test_pcgrad_backward_writes_projected_gradients_into_params():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return shapes_assets(tmp_path_factory, "tests/test_curriculum_pcgrad.py", 60, kinds=KINDS)
+    from tiny.models import make_tiny_vlm
+    from tiny.shapes import make_shapes_vqa
+
+    root = tmp_path_factory.mktemp("cur")
+    data = str(root / "shapes")
+    make_shapes_vqa(60, seed=0).save_to_disk(data)
+    return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data}
 
 
 def grpo(assets, out, **kw):
