@@ -1,8 +1,26 @@
-"""Reward functions with known values, for testing how train_grpo.py combines rewards.
+"""Reward functions with known values, for testing how train_grpo.py combines rewards, and the shared assets
+(shapes rows + the tiny Qwen VLM) that the GRPO test modules train on.
 
-Loaded by name through the registry (`--reward_funcs tests.grpo_helpers:always_one`), as a user's
+The rewards are loaded by name through the registry (`--reward_funcs tests.grpo_helpers:always_one`), as a user's
 own reward module would be.
 """
+
+from pathlib import Path
+
+from tests.launch_helpers import failing_fixture
+from tiny.models import make_tiny_vlm
+from tiny.shapes import make_shapes_vqa
+
+
+def shapes_assets(tmp_path_factory, test_file, rows, kinds=("color", "count")):
+    """A test module's shared assets: `rows` shapes questions of `kinds` (seed 0) and the tiny Qwen VLM (seed 0),
+    built in a fresh folder: {"qwen": the model's folder, "data": the data set's folder, "root": that folder}.
+    A failed build names `test_file`, so `pytest -x` says which module's assets broke."""
+    root = tmp_path_factory.mktemp(Path(test_file).stem)
+    data = str(root / "shapes")
+    with failing_fixture(f"{test_file}'s assets ({rows} shapes rows, the tiny Qwen VLM)"):
+        make_shapes_vqa(rows, seed=0, kinds=kinds).save_to_disk(data)
+        return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data, "root": root}
 
 
 def always_one(completions, **columns):

@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+from tests.grpo_helpers import shapes_assets
+from tiny.shapes import KINDS
 from utils.core.curriculum import combine_with_rating, levels_from_scores, stage_indices
 from utils.core.pcgrad import pcgrad_backward, pcgrad_combine
 from utils.core.samplers import CurriculumSampler
@@ -71,13 +73,7 @@ def test_pcgrad_backward_writes_projected_gradients_into_params():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from tiny.models import make_tiny_vlm
-    from tiny.shapes import make_shapes_vqa
-
-    root = tmp_path_factory.mktemp("cur")
-    data = str(root / "shapes")
-    make_shapes_vqa(60, seed=0).save_to_disk(data)
-    return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data}
+    return shapes_assets(tmp_path_factory, "tests/test_curriculum_pcgrad.py", 60, kinds=KINDS)
 
 
 def grpo(assets, out, **kw):

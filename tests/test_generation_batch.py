@@ -9,9 +9,8 @@ import pytest
 from safetensors.torch import load_file
 
 import train_grpo
-from tests.launch_helpers import failing_fixture, fresh_accelerate_state
-from tiny.models import make_tiny_vlm
-from tiny.shapes import make_shapes_vqa
+from tests.grpo_helpers import shapes_assets
+from tests.launch_helpers import fresh_accelerate_state
 from train_grpo import GRPOConfig, generation_steps, validate
 from utils.core.config import ConfigError
 from utils.core.tracking import read_jsonl
@@ -19,10 +18,7 @@ from utils.core.tracking import read_jsonl
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("generation-batch")
-    with failing_fixture("tests/test_generation_batch.py's assets (48 shapes rows, the tiny Qwen VLM)"):
-        make_shapes_vqa(48, seed=0, kinds=("color", "count")).save_to_disk(str(root / "shapes"))
-        return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": str(root / "shapes")}
+    return shapes_assets(tmp_path_factory, "tests/test_generation_batch.py", 48)
 
 
 def config(assets=None, out="unused", **overrides):

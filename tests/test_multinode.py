@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import utils.core.launch as launch_utils
+from tests.grpo_helpers import shapes_assets
 from utils.core.config import ConfigError
 from utils.core.tracking import read_jsonl
 
@@ -70,16 +71,11 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from tiny.models import make_tiny_vlm
-    from tiny.shapes import make_shapes_vqa
-
-    root = tmp_path_factory.mktemp("multinode")
-    make_shapes_vqa(16, seed=0, kinds=("color", "count")).save_to_disk(str(root / "shapes"))
-    return {"model": make_tiny_vlm(str(root / "qwen"), seed=0), "data": str(root / "shapes")}
+    return shapes_assets(tmp_path_factory, "tests/test_multinode.py", 16)
 
 
 def _cli(assets, out, **overrides):
-    cfg = dict(model_name_or_path=assets["model"], dataset_name=assets["data"], output_dir=str(out),
+    cfg = dict(model_name_or_path=assets["qwen"], dataset_name=assets["data"], output_dir=str(out),
                per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=2,
                learning_rate=1e-3, report_to="none", reward_funcs="tests.grpo_helpers:completion_length", seed=0,
                save_steps=100)

@@ -16,9 +16,8 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import train_grpo
+from tests.grpo_helpers import shapes_assets
 from tests.launch_helpers import REPO, failing_fixture, fresh_accelerate_state
-from tiny.models import make_tiny_vlm
-from tiny.shapes import make_shapes_vqa
 from train_grpo import GRPOConfig
 from utils.core.checkpoint import NonFiniteWeightsError, load_checkpoint, save_checkpoint
 from utils.core.checkpoint_files import UnsafeCheckpointError, pickled_files
@@ -93,11 +92,7 @@ def test_a_recipe_with_a_secret_is_refused_and_a_redacted_config_reads_back(tmp_
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability")
-    data = str(root / "shapes")
-    with failing_fixture("tests/test_reliability.py's assets (24 shapes rows, the tiny Qwen VLM)"):
-        make_shapes_vqa(24, seed=0, kinds=("color", "count")).save_to_disk(data)
-        return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data}
+    return shapes_assets(tmp_path_factory, "tests/test_reliability.py", 24)
 
 
 def grpo(assets, out, **overrides):

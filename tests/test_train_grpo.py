@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_grpo
+from tests.grpo_helpers import shapes_assets
 from tests.launch_helpers import cli as flags
 from tests.launch_helpers import (
     failing_fixture,
@@ -20,18 +21,13 @@ from tests.launch_helpers import (
     sigkill_when,
 )
 from tiny.models import make_tiny_llm, make_tiny_vlm
-from tiny.shapes import make_shapes_vqa
 from train_grpo import GRPOConfig
 from utils.core.tracking import read_jsonl
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    data = str(root / "shapes")
-    with failing_fixture("tests/test_train_grpo.py's assets (48 shapes rows, the tiny Qwen VLM)"):
-        make_shapes_vqa(48, seed=0, kinds=("color", "count")).save_to_disk(data)
-        return {"qwen": make_tiny_vlm(str(root / "qwen"), seed=0), "data": data, "root": root}
+    return shapes_assets(tmp_path_factory, "tests/test_train_grpo.py", 48)
 
 
 def config(assets, out, **overrides):

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 import train_grpo
+from tests.grpo_helpers import shapes_assets
 from tests.launch_helpers import REPO, cli, finish, free_port, fresh_accelerate_state, launch
 from tests.vllm_standin_server import BadRequest, HFEngine, VLLMServeStandIn, check_request
-from tiny.models import make_tiny_vlm
 from tiny.shapes import make_shapes_vqa
 from utils.core.config import ConfigError
 from utils.core.encoding import encode_prompts
@@ -58,10 +58,7 @@ from utils.core.vllm_server_rollout import VLLMServerRollout, connect
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-server")
-    data = str(root / "shapes")
-    make_shapes_vqa(32, seed=0, kinds=("color", "count")).save_to_disk(data)
-    return {"model": make_tiny_vlm(str(root / "vlm"), seed=0), "data": data, "root": root}
+    return shapes_assets(tmp_path_factory, "tests/test_vllm_server.py", 32)
 
 
 class StandIn:
@@ -101,14 +98,14 @@ class StandIn:
 
 @pytest.fixture
 def standin(assets, tmp_path):  # the older `trl vllm-serve` protocol
-    server = StandIn(assets["model"], tmp_path / "server")
+    server = StandIn(assets["qwen"], tmp_path / "server")
     yield server
     server.stop()
 
 
 @pytest.fixture
 def vllm_standin(assets, tmp_path):  # vLLM's `vllm serve`
-    server = StandIn(assets["model"], tmp_path / "server", "--protocol", "vllm")
+    server = StandIn(assets["qwen"], tmp_path / "server", "--protocol", "vllm")
     yield server
     server.stop()
 
@@ -142,7 +139,7 @@ def prompts(model, processor, n=2):
 
 @pytest.mark.slow
 def test_generate_and_weight_updates_over_the_protocol(assets, standin):
-    model, processor = load_model_and_processor(assets["model"])
+    model, processor = load_model_and_processor(assets["qwen"])
     tok = processor.tokenizer
     client = standin.client()
     assert isinstance(client, VLLMClient) and client.protocol == "trl" and client.world_size() == 1
@@ -202,12 +199,12 @@ def test_protocol_errors_and_an_absent_server(standin):
 
 @pytest.mark.slow
 def test_vllm_serve_generate_and_weight_updates(assets, vllm_standin):
-    model, processor = load_model_and_processor(assets["model"])
+    model, processor = load_model_and_processor(assets["qwen"])
     tok = processor.tokenizer
     client = vllm_standin.client()  # told apart by /v1/models
     assert isinstance(client, VLLMServeClient) and client.protocol == "vllm" and client.sends_frozen
     assert (client.model, client.backend, client.logprobs_mode, client.workers) == (
-        assets["model"], "gloo", "processed_logprobs", 1)
+        assets["qwen"], "gloo", "processed_logprobs", 1)
     ids, images = prompts(model, processor)
     stop = stop_token_ids(model, tok)
     suppress = special_token_ids_to_suppress(tok, stop)
@@ -263,7 +260,7 @@ def test_vllm_serve_generate_and_weight_updates(assets, vllm_standin):
 
 @pytest.fixture(scope="module")
 def engine(assets):
-    return HFEngine(assets["model"])
+    return HFEngine(assets["qwen"])
 
 
 @pytest.mark.slow
@@ -306,7 +303,7 @@ def test_vllm_serve_logprobs_mode_scale_out_and_pixel_budget(assets, engine):
         assert len(client.sample([(ids[0][:5], [], 1)], sampling)[1]) == 1
         with pytest.raises(ServerError, match="render is not served: restart it with --enable-scale-out"):
             client.sample([(ids[0], images[0], 1)], sampling, image_token_id=image_token_id(processor))
-    small = HFEngine(assets["model"], max_pixels=3136)  # a server whose image processor has another pixel budget
+    small = HFEngine(assets["qwen"], max_pixels=3136)  # a server whose image processor has another pixel budget
     with serving(small) as url:
         with pytest.raises(ServerError, match=r"turned the images of prompt 0 into \[4\] placeholder tokens where the "
                                               r"trainer's prompt has runs of \[9\]: .*--mm-processor-kwargs"):
@@ -470,7 +467,7 @@ def test_tensor_parallel_size_must_divide_the_processes():
 
 
 def server_run(assets, standin, out, **over):
-    base = dict(model_name_or_path=assets["model"], dataset_name=assets["data"], output_dir=str(out),
+    base = dict(model_name_or_path=assets["qwen"], dataset_name=assets["data"], output_dir=str(out),
                 per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_prompt_length=256,
                 max_steps=3, save_steps=1, learning_rate=1e-3, report_to="none", seed=0, eval_before=False,
                 reward_funcs=["tests.grpo_helpers:completion_length"], use_vllm=True, vllm_mode="server",
@@ -534,7 +531,7 @@ def test_grpo_through_vllm_serve_pushes_every_weight_every_step(assets, vllm_sta
     update = ["start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache"]
     generate = ["inference/v1/generate"] * 2  # one request per prompt, its 4 completions together
     assert [e["event"] for e in events] == ["init_weight_transfer_engine"] + (update + generate) * 3 + update
-    names = {n for n, _ in AutoModelForImageTextToText.from_pretrained(assets["model"]).named_parameters()}
+    names = {n for n, _ in AutoModelForImageTextToText.from_pretrained(assets["qwen"]).named_parameters()}
     for e in events:  # every weight, frozen or not, as vLLM reloads whole layers (and TRL sends)
         assert e["event"] != "update_weights" or sorted(e["names"]) == sorted(names)
     rounds = vllm_standin.requests()
