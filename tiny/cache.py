@@ -58,6 +58,7 @@ TINY_EDIT_GENERATOR = "tiny-edit-generator"  # the tiny generator taught to edit
 TINY_DATASET = "synthetic:shapes"
 TINY_VIDEO_DATASET = "synthetic:video"
 TINY_TOOLS_DATASET = "synthetic:tools"  # the tiny tool task (tiny/tools_task.py), in TRL's conversational format
+TINY_TOOLS_ZOOM_DATASET = "synthetic:tools-zoom"  # its held-out questions with the asked box zoomed (a check)
 TINY_TOOLS_SFT_MODEL = "tiny-tools-sft"  # tiny-sft after SFT on tool-use traces: the warm start of tiny tool GRPO
 TINY_EDITS_DATASET = "synthetic:edits"  # (scene, instruction, edited scene) triples: the edit generator's data
 TINY_REFLECT_DATASET = "synthetic:reflect"  # sharegpt rows (prompt, flawed draft) -> reflection: the reflector's
@@ -236,9 +237,7 @@ def _tools_spec():
     from utils.core import image_tools
 
     return {"splits": tools_task.SPLITS, "warm_start": tools_task.WARM_START,
-            "source": _source(tools_task.task_rows, tools_task.prompt_of, tools_task.cell_box,
-                              tools_task.warm_start_rows, tools_task.make_tools_dataset, tools_task.save_warm_start,
-                              image_tools.zoom_image, image_tools.fit_pixels, tokenizer._im_start_template,
+            "source": _source(tools_task, image_tools.zoom_image, image_tools.fit_pixels, tokenizer._im_start_template,
                               tokenizer._QWEN_TOOLS_SYSTEM, tokenizer._QWEN_TOOL_CALLS)}
 
 
@@ -255,10 +254,19 @@ def tools_dataset_path():
     return cached("tools", _tools_spec(), build)
 
 
+def tools_zoom_dataset_path():
+    """The tool task's held-out rows with the asked box already zoomed ("What shape is this?"): can a model read the
+    zoomed shape at all (tiny/tools_task.py)?"""
+    from tiny import tools_task
+
+    return cached("tools-zoom", _tools_spec(), lambda out: DatasetDict(
+        {"test": tools_task.make_tools_dataset(**tools_task.SPLITS["test"], zoom=True)}).save_to_disk(out))
+
+
 def tiny_tools_sft_path():
-    """The warm start of the tiny tool task: tiny-sft (which sees the shapes) after SFT on tool-use traces, half
-    zooming into the asked colour's cell then answering, half answering from the small image
-    (recipes/stages/tiny_tools_sft.yaml)."""
+    """The warm start of the tiny tool task: tiny-sft (which sees the shapes) after SFT on tool-use traces (zoom into
+    the asked colour's box, then answer), answers from the overview alone and zoomed boxes alone
+    (tools_task.warm_start_rows; recipes/stages/tiny_tools_sft.yaml)."""
     from tiny import tools_task
 
     spec = {"tiny-sft": _tiny_sft_spec(), "tools": _tools_spec()}
@@ -402,7 +410,7 @@ def tiny_reflector_path():
 
 
 SYNTHETIC_DATASETS = {TINY_DATASET: shapes_dataset_path, TINY_VIDEO_DATASET: video_dataset_path,
-                      TINY_TOOLS_DATASET: tools_dataset_path,
+                      TINY_TOOLS_DATASET: tools_dataset_path, TINY_TOOLS_ZOOM_DATASET: tools_zoom_dataset_path,
                       TINY_EDITS_DATASET: edits_dataset_path, TINY_REFLECT_DATASET: reflect_dataset_path}
 TINY_MODELS = {TINY_MODEL: tiny_vlm_path, TINY_SFT_MODEL: tiny_sft_path, TINY_VIDEO_SFT_MODEL: tiny_video_sft_path,
                TINY_TOOLS_SFT_MODEL: tiny_tools_sft_path,

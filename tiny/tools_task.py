@@ -1,45 +1,71 @@
 """The tiny tool task: a question whose answer is too small to survive the first image's pixel budget, and an image
 tool that returns it at full budget (docs/tools.md).
 
-Each 252 x 252 image holds 2-4 small shapes (10-16 px), each of its own colour in its own cell of a 3 x 3 grid. The
-question asks for the shape of one colour: "What shape is the red object?". The model's processor sees the image at
-84 x 84 pixels (`--max_pixels 7056`, a third of each side): the colours survive as a few pixels in their cell, the
-shapes do not (sizes vary, so a shape's area does not give it away). `zoom_image` on the colour's cell
-(`[x1, y1, x2, y2]` at thirds of 0-1000) returns the cell at full budget, where the shape is 10-16 px again.
+Each 630 x 630 image holds 2-4 small shapes, each of its own colour, one near the centre of each of 2-4 cells of a
+3 x 3 grid. The question asks for the shape of one colour: "What shape is the red object?". The model's processor
+sees the image at 84 x 84 pixels (`--max_pixels 7056`, 7.5 times smaller): a shape is a blob of 2-3 px there, its
+colour kept, its outline gone (the three shapes have the same area, so the blob's mass does not give it away).
+`zoom_image` on the box around the colour's cell centre (the middle fifth of the cell, 42 px, `object_box`) returns
+it at 84 x 84, where the shape is 24-45 px: fifteen times larger than in the overview. tests/test_tiny_tools_task.py
+checks both on the pixels the processor makes.
 
 The data set is in TRL's conversational format (a `prompt` column of chat messages, an `images` column, the
 `answer`), so GRPO and evaluation read it through the same path as a user's TRL data set. The warm start is SFT on
-two kinds of traces (`warm_start_rows`): with the tool offered, zoom into the right cell then answer; without it,
-answer from the small image alone. GRPO with and without `--tools` then start from the same model.
+three kinds of rows (`warm_start_rows`): with the tool offered, zoom (mostly into the right box) then answer;
+without it, answer from the overview alone; and the zoomed box alone with "What shape is this?", which teaches the
+eye to read it. GRPO with and without `--tools` then start from the same model.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 from PIL import Image, ImageDraw
 
 from tiny.shapes import DEFAULT_COLORS, SHAPES, draw_shape
 
-IMAGE_SIZE = 252  # the data's images
+IMAGE_SIZE = 630  # the data's images
 GRID = 3
+ZOOM_PARTS = 5  # the zoom box is the middle fifth of a cell (42 px), so the tool enlarges 15 times the overview's scale
 SEEN_PIXELS = 84 * 84  # the processor's budget (--max_pixels): the model sees a 84 x 84 image
-OBJECT_PX = (10, 16)  # shape sizes in the 252 px image (about 3-5 px at 84)
+AREA = (150, 250)  # every shape's area in the 630 px image, in px (a square of 12-16 px, a triangle of 17-22 px)
+FILL = {"square": 1.0, "circle": math.pi / 4, "triangle": 0.5}  # a shape's area over its size's square
+JITTER = 5  # px the shape's centre moves around the zoom box's centre, in the 630 px image
 MAX_OBJECTS = 4
 TOOL = "zoom_image"
+ZOOM_QUESTION = "What shape is this?"
 SPLITS = {"train": dict(n=2048, seed=0), "test": dict(n=256, seed=1)}
-WARM_START = dict(n=4096, seed=2)  # the SFT traces: rows of their own seed
+WARM_START = dict(n=4096, seed=2)  # the SFT rows: rows of their own seed
+WARM_START_SHARES = dict(tool=0.4, plain=0.3, zoom=0.3)  # the kinds of warm-start rows
+WRONG_CALLS = 0.2  # the share of warm-start tool traces that zoom into an empty cell (then answer anyway)
 
 
-def cell_box(cell: int) -> list[int]:
-    """The 0-1000 box of a grid cell (row-major), as zoom_image takes it."""
+def object_box(cell: int) -> list[int]:
+    """The 0-1000 box of a cell's middle fifth (row-major cells), as zoom_image takes it: edges rounded inwards so
+    the box is exactly 42 px of the 630 px image."""
     row, col = divmod(cell, GRID)
-    edges = [round(i * 1000 / GRID) for i in range(GRID + 1)]
-    return [edges[col], edges[row], edges[col + 1], edges[row + 1]]
+    parts = GRID * ZOOM_PARTS
+    first = ZOOM_PARTS // 2
+    x1, y1 = (math.ceil((k * ZOOM_PARTS + first) * 1000 / parts) for k in (col, row))
+    x2, y2 = (math.floor((k * ZOOM_PARTS + first + 1) * 1000 / parts) for k in (col, row))
+    return [x1, y1, x2, y2]
+
+
+def shape_size(shape: str, area: float) -> int:
+    """The size (draw_shape's box side) that gives `shape` this area."""
+    return round(math.sqrt(area / FILL[shape]))
+
+
+def draw_object(draw, shape, colour, x, y, area):
+    """A shape of `area` px with its centroid at (x, y) (a triangle's is a sixth of its size below its box's
+    centre)."""
+    size = shape_size(shape, area)
+    draw_shape(draw, shape, colour, x, y - (size // 6 if shape == "triangle" else 0), size)
 
 
 def task_rows(n: int, *, seed: int = 0) -> list[dict]:
-    """n rows (PIL images): id, image, question, answer, and the target's cell and colour."""
+    """n rows (PIL images): id, image, question, answer, the target's cell and colour, and the cells used."""
     rows = []
     cell_px = IMAGE_SIZE // GRID
     for i in range(n):
@@ -51,17 +77,21 @@ def task_rows(n: int, *, seed: int = 0) -> list[dict]:
         draw = ImageDraw.Draw(image)
         shapes = []
         for cell, colour in zip(cells, colours):
-            shape, size = rng.choice(SHAPES), rng.randint(*OBJECT_PX)
+            shape, area = rng.choice(SHAPES), rng.uniform(*AREA)
             row, col = divmod(cell, GRID)
-            jitter = (cell_px - size) // 2 - 4
-            x = col * cell_px + cell_px // 2 + rng.randint(-jitter, jitter)
-            y = row * cell_px + cell_px // 2 + rng.randint(-jitter, jitter)
-            draw_shape(draw, shape, colour, x, y, size)
+            x = col * cell_px + cell_px // 2 + rng.randint(-JITTER, JITTER)
+            y = row * cell_px + cell_px // 2 + rng.randint(-JITTER, JITTER)
+            draw_object(draw, shape, colour, x, y, area)
             shapes.append(shape)
         target = rng.randrange(k)
         rows.append(dict(id=f"tools-{seed}-{i}", image=image, question=f"What shape is the {colours[target]} object?",
-                         answer=shapes[target], cell=cells[target], colour=colours[target]))
+                         answer=shapes[target], cell=cells[target], colour=colours[target], cells=cells))
     return rows
+
+
+def zoom_prompt():
+    """The prompt of a zoomed box on its own (the warm start's eye rows and the forced-zoom check)."""
+    return prompt_of(ZOOM_QUESTION)
 
 
 def prompt_of(question):
@@ -69,8 +99,18 @@ def prompt_of(question):
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
-def make_tools_dataset(n: int, *, seed: int = 0):
-    """A `datasets.Dataset` in TRL's conversational VLM format: prompt, images, answer, id, cell."""
+def zoomed(row, cell=None):
+    """What zoom_image returns for the box of `cell` (default: the asked colour's) of a row's image."""
+    from utils.core.image_tools import zoom_image
+
+    return zoom_image(object_box(row["cell"] if cell is None else cell), images=[row["image"]],
+                      max_pixels=SEEN_PIXELS)
+
+
+def make_tools_dataset(n: int, *, seed: int = 0, zoom: bool = False):
+    """A `datasets.Dataset` in TRL's conversational VLM format: prompt, images, answer, id, cell. With `zoom`, each
+    row's image is the asked box already zoomed and the question "What shape is this?": the forced-zoom check
+    (can the model read the zoomed shape at all?)."""
     import datasets
 
     rows = task_rows(n, seed=seed)
@@ -83,30 +123,39 @@ def make_tools_dataset(n: int, *, seed: int = 0):
         "cell": datasets.Value("int32"),
     })
     return datasets.Dataset.from_dict({
-        "id": [r["id"] for r in rows], "prompt": [prompt_of(r["question"]) for r in rows],
-        "images": [[r["image"]] for r in rows], "answer": [r["answer"] for r in rows],
+        "id": [r["id"] for r in rows],
+        "prompt": [prompt_of(ZOOM_QUESTION if zoom else r["question"]) for r in rows],
+        "images": [[zoomed(r) if zoom else r["image"]] for r in rows], "answer": [r["answer"] for r in rows],
         "cell": [r["cell"] for r in rows]}, features=features)
 
 
-def warm_start_rows(n: int, *, seed: int = 0, tool_share: float = 0.5) -> list[dict]:
-    """sharegpt SFT rows (utils.core.data.load_sharegpt): a `tool_share` of them with the tool offered (the call
-    on the right cell, the zoomed cell as its result, the answer), the others answered from the small image."""
+def warm_start_rows(n: int, *, seed: int = 0, shares: dict = None, wrong_calls: float = WRONG_CALLS) -> list[dict]:
+    """sharegpt SFT rows (utils.core.data.load_sharegpt) of three kinds, drawn with `shares`
+    (WARM_START_SHARES): `tool`, the tool offered, a call on the asked colour's box (or, for a `wrong_calls` share,
+    an empty cell's), the zoomed box as its result, the answer; `plain`, answered from the overview alone; `zoom`,
+    the zoomed box alone with "What shape is this?"."""
     import json
 
-    from utils.core.image_tools import zoom_image
     from utils.core.tools import ToolBox
 
+    shares = shares or WARM_START_SHARES
     schemas = json.dumps(ToolBox([TOOL]).schemas)
     out = []
     for k, row in enumerate(task_rows(n, seed=seed)):
+        rng = random.Random(f"tools-mode-{seed}-{k}")
+        kind = rng.choices(list(shares), weights=list(shares.values()))[0]
         answer = {"from": "gpt", "value": f"<answer>{row['answer']}</answer>"}
         question = {"from": "human", "value": "<image>" + row["question"]}
-        if random.Random(f"tools-mode-{seed}-{k}").random() < tool_share:
-            box = cell_box(row["cell"])
-            zoomed = zoom_image(box, images=[row["image"]], max_pixels=SEEN_PIXELS)
-            call = {"from": "function_call", "value": json.dumps({"name": TOOL, "arguments": {"box": box}})}
+        if kind == "tool":
+            empty = [c for c in range(GRID * GRID) if c not in row["cells"]]
+            cell = rng.choice(empty) if rng.random() < wrong_calls else row["cell"]
+            call = {"from": "function_call",
+                    "value": json.dumps({"name": TOOL, "arguments": {"box": object_box(cell)}})}
             out.append(dict(id=row["id"], messages=[question, call, {"from": "observation", "value": "<image>"},
-                                                    answer], images=[row["image"], zoomed], tools=schemas))
+                                                    answer], images=[row["image"], zoomed(row, cell)], tools=schemas))
+        elif kind == "zoom":
+            out.append(dict(id=row["id"], messages=[{"from": "human", "value": "<image>" + ZOOM_QUESTION}, answer],
+                            images=[zoomed(row)], tools=""))
         else:
             out.append(dict(id=row["id"], messages=[question, answer], images=[row["image"]], tools=""))
     return out
