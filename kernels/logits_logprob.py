@@ -127,7 +127,7 @@ class _TokenLogProb(torch.autograd.Function):
             fold_forward_triton(logits, labels, 0, stats, inv_t, row_index=keep)
         elif n:
             rows, tile = plan(n, vocab, VOCAB_TILE, TILE_ELEMENTS)
-            scratch = Scratch(rows * tile, logits.device)
+            scratch = Scratch(logits.device)
             for r0 in range(0, n, rows):
                 idx = keep[r0 : r0 + rows]
                 chunk = {k: None if v is None else v[r0 : r0 + rows] for k, v in stats.items()}
@@ -151,7 +151,7 @@ class _TokenLogProb(torch.autograd.Function):
             _logits_grad_triton(logits, keep, labels, lse, g, inv_t, grad)
             return grad, None, None, None, None
         rows, tile = plan(n, vocab, VOCAB_TILE, TILE_ELEMENTS)
-        scratch = Scratch(rows * tile, logits.device)
+        scratch = Scratch(logits.device)
         for r0 in range(0, n, rows):
             idx, g_rows = keep[r0 : r0 + rows], g[r0 : r0 + rows]
             for v0 in range(0, vocab, tile):

@@ -209,10 +209,11 @@ def _raw_logits_fp32(h, w, out):
     return torch.mm(h.float(), w.float().t(), out=out)
 
 
-def _addmm_fp32(acc, a, b, alpha=1.0, beta=1.0):
+def _addmm_fp32(acc, a, b, alpha=1.0, beta=1.0, scratch=None):
     """acc = beta * acc + alpha * a @ b in fp32 with a @ b in b's dtype (a is cast to it).
 
-    beta = 0 ignores acc's content (it may be uninitialised).
+    beta = 0 ignores acc's content (it may be uninitialised). With `scratch` (a Scratch) the rounded product of
+    the "round" mode goes to its buffer "product" instead of a fresh tensor.
     """
     if b.dtype not in LOW_PRECISION:
         acc.addmm_(a.to(b.dtype), b, alpha=alpha, beta=beta)
@@ -221,7 +222,8 @@ def _addmm_fp32(acc, a, b, alpha=1.0, beta=1.0):
     if mode == "fp32_out":
         torch.addmm(acc, a.to(b.dtype), b, alpha=alpha, beta=beta, out_dtype=torch.float32, out=acc)
     elif mode == "round":
-        product = torch.mm(a.to(b.dtype), b)
+        out = None if scratch is None else scratch.get("product", a.shape[0], b.shape[1], b.dtype)
+        product = torch.mm(a.to(b.dtype), b, out=out)
         if beta == 0:
             acc.copy_(product).mul_(alpha)
         else:
@@ -306,7 +308,7 @@ def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expec
     """Forward over (row chunk, vocab tile) pairs in cdtype; with expected_row also sums E_p[W] per row."""
     n, vocab = hidden.shape[0], weight.shape[0]
     rows, tile = _plan(n, vocab, hidden.device)
-    scratch = Scratch(rows * tile, hidden.device)
+    scratch = Scratch(hidden.device)
     lse = torch.empty(n, device=hidden.device, dtype=torch.float32)
     target, entropy = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else None
     delta = torch.empty_like(hidden) if expected_row else None
@@ -317,19 +319,20 @@ def _head_forward_tiles(hidden, weight, bias, labels, inv_t, with_entropy, expec
         expect = torch.zeros(r1 - r0, hidden.shape[1], device=hidden.device) if expected_row else None
         for v0 in range(0, vocab, tile):
             v1 = min(v0 + tile, vocab)
-            w = weight[v0:v1].to(cdtype)
             b = None if bias is None else bias[v0:v1].to(cdtype)
             if use_triton:
+                w = weight[v0:v1].to(cdtype)
                 x = _raw_logits_fp32(h, w, scratch.get("z32", r1 - r0, v1 - v0, torch.float32))
                 e_out = scratch.get("e", r1 - r0, v1 - v0, cdtype) if expected_row else None
                 e, rescale = fold_forward_triton(x, lab, v0, stats, inv_t, bias=bias, e_out=e_out)
-            else:
+            else:  # every tile-sized operand in a reused buffer (see Scratch.cast)
+                w = scratch.cast("w", weight[v0:v1], cdtype)
                 z = _logits_tile(h, w, b, inv_t, scratch.get("z", r1 - r0, v1 - v0, cdtype))
-                if z.dtype != torch.float32:
-                    z = scratch.get("z32", r1 - r0, v1 - v0, torch.float32).copy_(z)
+                z = scratch.cast("z32", z, torch.float32)
                 e, rescale = fold_forward_torch(z, lab, v0, stats, scratch)
+                e = scratch.cast("z", e, cdtype) if expected_row else e  # z's buffer is free once copied
             if expected_row:
-                _addmm_fp32(expect.mul_(rescale.unsqueeze(1)), e, w)
+                _addmm_fp32(expect.mul_(rescale.unsqueeze(1)), e, w, scratch=None if use_triton else scratch)
         lse[r0:r1], target[r0:r1], ent = finish_stats(stats)
         if with_entropy:
             entropy[r0:r1] = ent
@@ -350,7 +353,7 @@ def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, i
     vocab = weight.shape[0]
     device = hidden.device
     rows, tile = _plan(n, vocab, device)
-    scratch = Scratch(rows * tile, device)
+    scratch = Scratch(device)
     row_scale = (g if g_ent is None else torch.ones_like(g)) * inv_t  # c_i / T
     soft_sum = torch.empty(n, hdim, device=device) if need_h else None  # sum_j q_ij W_j
     # rows of hidden pre-scaled by c_i / T, in the compute dtype (the weight-gradient GEMM's operand)
@@ -362,29 +365,34 @@ def _head_backward_tiles(hidden, weight, bias, labels, lse, entropy, g, g_ent, i
 
     for v0 in range(0, vocab, tile):
         v1 = min(v0 + tile, vocab)
-        w = weight[v0:v1].to(cdtype)
+        # every tile-sized operand of the torch path in a reused buffer (see Scratch.cast)
+        w = weight[v0:v1].to(cdtype) if use_triton else scratch.cast("w", weight[v0:v1], cdtype)
         b = None if bias is None else bias[v0:v1].to(cdtype)
         gw = (grad_w[v0:v1] if direct_w else gw_acc[: v1 - v0]) if need_w else None
         gb = grad_b[v0:v1] if need_b else None
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
-            h = hidden[r0:r1].to(cdtype)
+            h = hidden[r0:r1].to(cdtype) if use_triton else scratch.cast("h", hidden[r0:r1], cdtype)
             ent = None if g_ent is None else entropy[r0:r1]
             ge = None if g_ent is None else g_ent[r0:r1]
             if use_triton:
                 x = _raw_logits_fp32(h, w, scratch.get("z32", r1 - r0, v1 - v0, torch.float32))
                 q = _tile_grad_triton(x, scratch.get("q", r1 - r0, v1 - v0, cdtype), labels[r0:r1], v0, lse[r0:r1],
                                       ent, g[r0:r1], ge, inv_t, bias)
+                q_gemm = q
             else:
                 z = _logits_tile(h, w, b, inv_t, scratch.get("z", r1 - r0, v1 - v0, cdtype))
-                if z.dtype != torch.float32:
-                    z = scratch.get("z32", r1 - r0, v1 - v0, torch.float32).copy_(z)
+                z = scratch.cast("z32", z, torch.float32)
                 q = _tile_grad_torch(z, labels[r0:r1], v0, lse[r0:r1], ent, g[r0:r1], ge, scratch)
+                # the fp32 tile in the GEMM dtype once for both gradient GEMMs, in z's buffer (free once copied);
+                # the bias gradient sums the fp32 one
+                q_gemm = scratch.cast("z", q, cdtype) if need_h or need_w else q
             first = r0 == 0  # beta = 0 on the first chunk: no zero-fill pass over the accumulators
+            prod = None if use_triton else scratch
             if need_h:
-                _addmm_fp32(soft_sum[r0:r1], q, w, beta=0.0 if v0 == 0 else 1.0)
+                _addmm_fp32(soft_sum[r0:r1], q_gemm, w, beta=0.0 if v0 == 0 else 1.0, scratch=prod)
             if need_w:
-                _addmm_fp32(gw, q.t(), h_w[r0:r1], alpha=-1.0, beta=0.0 if first else 1.0)
+                _addmm_fp32(gw, q_gemm.t(), h_w[r0:r1], alpha=-1.0, beta=0.0 if first else 1.0, scratch=prod)
             if need_b:
                 gb_tile = torch.mv(q.t().float(), row_scale[r0:r1])
                 if first:

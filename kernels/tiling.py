@@ -79,16 +79,24 @@ def plan(n_rows: int, n_cols: int, max_cols: int, max_elements: int) -> tuple[in
 
 
 class Scratch:
-    """Flat buffers reused by every tile; each view is contiguous whatever the tile's width."""
+    """Flat buffers reused by every tile; each view is contiguous whatever the tile's width. A buffer is as
+    large as the largest view asked of it (the first tile is the largest, so it is allocated once)."""
 
-    def __init__(self, numel, device):
-        self.numel, self.device, self.buffers = numel, device, {}
+    def __init__(self, device):
+        self.device, self.buffers = device, {}
 
     def get(self, name, rows, cols, dtype):
         buf = self.buffers.get(name)
-        if buf is None or buf.dtype != dtype:
-            buf = self.buffers[name] = torch.empty(self.numel, device=self.device, dtype=dtype)
+        if buf is None or buf.dtype != dtype or buf.numel() < rows * cols:
+            buf = self.buffers[name] = torch.empty(rows * cols, device=self.device, dtype=dtype)
         return buf[: rows * cols].view(rows, cols)
+
+    def cast(self, name, tensor, dtype):
+        """The 2-D `tensor` in `dtype`: itself when it has it, else a copy in buffer `name`. On the CPU a fresh
+        tile-sized tensor (what .to() returns) costs a page fault per 4 KiB on every tile; a reused buffer does not."""
+        if tensor.dtype == dtype:
+            return tensor
+        return self.get(name, *tensor.shape, dtype).copy_(tensor)
 
 
 def new_stats(n, device, with_entropy):

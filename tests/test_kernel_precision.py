@@ -146,6 +146,46 @@ def test_addmm_fp32_modes_agree(monkeypatch, mode, beta):
     assert_close(acc, want, 1e-2 if mode == "round" else 1e-6, f"{mode} beta={beta}")
 
 
+def test_cpu_low_precision_tiles_reuse_their_buffers(monkeypatch):
+    # On the CPU a fresh tile-sized tensor costs page faults on every tile: under autocast the torch path casts
+    # the weight tile, the gradient tile (once, for both gradient GEMMs) and the rounded products into reused
+    # buffers. Outputs and gradients are those of plain .to() casts (tests above and test_kernels.py).
+    monkeypatch.setattr(logprob, "VOCAB_TILE", 32)  # 4 tiles, the last one narrower; 6 kept rows in 2 chunks
+    monkeypatch.setattr(logprob, "TILE_ELEMENTS", 32 * 3)
+    calls = []
+    original = logprob._addmm_fp32
+
+    def spy(acc, a, b, *args, **kwargs):
+        calls.append((a.dtype, a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr(), kwargs.get("scratch")))
+        return original(acc, a, b, *args, **kwargs)
+
+    monkeypatch.setattr(logprob, "_addmm_fp32", spy)
+    hidden, weight, b, labels = head_case(n=7, bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = fused_token_logprobs(hidden, weight, labels, backend="torch")
+    (logp * torch.linspace(-1, 1, 7)).sum().backward()
+    assert len(calls) == 2 * 4 * 2  # grad hidden and grad weight, each (vocab tile, row chunk)
+    assert {dtype for dtype, *_ in calls} == {torch.bfloat16}  # the gradient tile arrives cast, once
+    assert len({a for _, a, _, _ in calls}) == 1  # ... into one buffer for every tile
+    assert len({b for _, _, b, _ in calls[0::2]}) == 1  # every weight tile in one buffer (grad hidden's operand)
+    assert all(scratch is not None for *_, scratch in calls)  # rounded products into a buffer too
+    assert_close(hidden.grad, torch.autograd.grad(
+        (reference(hidden, weight, labels)[0] * torch.linspace(-1, 1, 7)).sum(), hidden)[0], 3e-2, "grad hidden")
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_addmm_fp32_round_into_scratch(monkeypatch, beta):
+    monkeypatch.setattr(logprob, "_low_precision_gemm_mode", lambda device: "round")
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 16, generator=gen), torch.randn(16, 7, generator=gen).bfloat16()
+    acc = torch.randn(5, 7, generator=gen)
+    fresh, reused = acc.clone(), acc.clone()
+    logprob._addmm_fp32(fresh, a, b, alpha=-0.5, beta=beta)
+    scratch = logprob.Scratch(torch.device("cpu"))
+    logprob._addmm_fp32(reused, a, b, alpha=-0.5, beta=beta, scratch=scratch)
+    assert torch.equal(fresh, reused) and tuple(scratch.buffers["product"].shape) == (5 * 7,)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton launch configurations
 # ----------------------------------------------------------------------------------------------
