@@ -120,3 +120,18 @@ def test_an_unknown_decoder_is_refused(family_models):
     with pytest.raises(ValueError, match="decoder 'fast'"):
         rollout.generate_completions(model, {}, row_seeds=None, max_new_tokens=1, temperature=1.0, eos_token_id=[0],
                                      pad_token_id=0, decoder="fast")
+
+
+def test_decode_processors_score_as_generate_processors():
+    """The loop's processors give generate's scores: a minimum length the prompt reaches is dropped (a longer one
+    kept, and it still masks EOS), suppression with its mask built once gives SuppressTokensLogitsProcessor's -inf."""
+    from transformers.generation import logits_process as lp
+
+    torch.manual_seed(0)
+    ids, scores = torch.zeros(3, 6, dtype=torch.long), torch.randn(3, 11)
+    reference = [lp.MinLengthLogitsProcessor(6, eos_token_id=[2]), lp.SuppressTokensLogitsProcessor([1, 7])]
+    kept = rollout.decode_processors(reference, prompt_length=6, device="cpu")
+    assert len(kept) == 1 and isinstance(kept[0], rollout.SuppressedTokens)
+    assert torch.equal(kept[0](ids, scores), reference[1](ids, scores))
+    longer = [lp.MinLengthLogitsProcessor(8, eos_token_id=[2])]
+    assert rollout.decode_processors(longer, prompt_length=6, device="cpu") == longer

@@ -99,6 +99,7 @@ def lean_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     ids = input_ids.new_full((batch, total), int(pad))
     ids[:, :prompt_length] = input_ids
     compaction = Compaction.for_decoding(model, logits_processor, model_kwargs, batch)
+    processors = decode_processors(logits_processor, prompt_length, input_ids.device)
     running = torch.ones(batch, dtype=torch.bool, device=input_ids.device)  # rows of the model's batch
     optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
@@ -112,7 +113,7 @@ def lean_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             del outputs
             rows = compaction.rows
             held = ids[:, :length] if rows is None else ids[rows, :length]
-            for processor in logits_processor:  # (the list's own call inspects each signature at every token)
+            for processor in processors:  # (the list's own call inspects each signature at every token)
                 logits = processor(held, logits)
             token = torch.where(running, logits.argmax(-1), pad)
             if rows is None:
@@ -129,6 +130,35 @@ def lean_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             held = ids[:, :length] if compaction.rows is None else ids[compaction.rows, :length]
             inputs = model.prepare_inputs_for_generation(held, next_sequence_length=1, **model_kwargs)
             outputs = model(**inputs, return_dict=True)
+
+
+def decode_processors(logits_processor, prompt_length, device):
+    """`generate`'s logits processors as the decoding loop applies them, each with the same result at every token:
+    a minimum length the prompt already reaches left out (it would only copy the scores: no EOS is ever masked),
+    token suppression with its vocabulary mask built once rather than at every token."""
+    from transformers.generation import logits_process as lp
+
+    kept = []
+    for processor in logits_processor:
+        if type(processor) is lp.MinLengthLogitsProcessor and processor.min_length <= prompt_length:
+            continue
+        if type(processor) is lp.SuppressTokensLogitsProcessor:
+            processor = SuppressedTokens(processor.suppress_tokens.to(device))
+        kept.append(processor)
+    return kept
+
+
+class SuppressedTokens:
+    """SuppressTokensLogitsProcessor with its mask over the vocabulary built at the first token: -inf at the
+    suppressed ids, the scores elsewhere (the same numbers as its `torch.where`)."""
+
+    def __init__(self, token_ids):
+        self.token_ids, self.mask = token_ids, None
+
+    def __call__(self, input_ids, scores):
+        if self.mask is None or self.mask.shape[-1] != scores.shape[-1]:
+            self.mask = torch.isin(torch.arange(scores.shape[-1], device=scores.device), self.token_ids)
+        return scores.masked_fill(self.mask, -float("inf"))
 
 
 # The model inputs `generate` carries from step to step with one row per sequence (batch dimension first; position

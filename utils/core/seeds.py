@@ -93,7 +93,8 @@ class GumbelSampler(LogitsProcessor):
         scores = scores.float()
         if self.temperature <= 0:  # greedy
             return scores
-        scores = scores / self.temperature
+        if self.temperature != 1.0:  # (dividing by 1 changes no number: skipped, as a copy per token)
+            scores = scores / self.temperature
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         step = input_ids.shape[1] - self.prompt_length
