@@ -66,6 +66,7 @@ TINY_RECIPE = os.path.join(REPO, "recipes", "tiny_grpo.yaml")
 TINY_SFT_RECIPE = os.path.join(REPO, "recipes", "tiny_sft.yaml")
 TINY_VIDEO_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_video_sft.yaml")
 TINY_TOOLS_SFT_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_tools_sft.yaml")
+TINY_TOOLS_EYE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_tools_eye.yaml")
 TINY_BASE_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_base.yaml")
 TINY_REASONER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_reasoner.yaml")
 TINY_PLANNER_RECIPE = os.path.join(REPO, "recipes", "stages", "tiny_planner.yaml")
@@ -263,18 +264,33 @@ def tools_zoom_dataset_path():
         {"test": tools_task.make_tools_dataset(**tools_task.SPLITS["test"], zoom=True)}).save_to_disk(out))
 
 
-def tiny_tools_sft_path():
-    """The warm start of the tiny tool task: tiny-sft (which sees the shapes) after SFT on tool-use traces (zoom into
-    the asked colour's box, then answer), answers from the overview alone and zoomed boxes alone
-    (tools_task.warm_start_rows; recipes/stages/tiny_tools_sft.yaml)."""
+def _tools_sft(name, recipe, start, spec, shares=None):
+    """`recipe` (a stage of the tiny tool task's warm start) from the checkpoint `start()` on the warm-start rows of
+    `shares` (tools_task.warm_start_rows), with the chat template that writes Qwen's tool format."""
     from tiny import tools_task
 
-    spec = {"tiny-sft": _tiny_sft_spec(), "tools": _tools_spec()}
-    return _trained("tiny-tools-sft", TINY_TOOLS_SFT_RECIPE, spec, lambda: [
-        "--model_name_or_path", tiny_sft_path(),
-        "--dataset_name", cached("tools-traces", spec, lambda out: tools_task.save_warm_start(
-            tools_task.warm_start_rows(**tools_task.WARM_START), out)),
+    rows = {**tools_task.WARM_START, "shares": shares} if shares else tools_task.WARM_START
+    return _trained(name, recipe, spec, lambda: [
+        "--model_name_or_path", start(),
+        "--dataset_name", cached(f"{name}-rows", {**spec, "rows": rows}, lambda out: tools_task.save_warm_start(
+            tools_task.warm_start_rows(**rows), out)),
         "--chat_template_path", cached("tools-template", spec, tools_task.save_template)])
+
+
+def tiny_tools_eye_path():
+    """The first stage of the tiny tool task's warm start: tiny-sft after SFT on zoomed boxes alone ("What shape is
+    this?"; recipes/stages/tiny_tools_eye.yaml), so that it reads the zoom before it learns to call the tool."""
+    spec = {"tiny-sft": _tiny_sft_spec(), "tools": _tools_spec()}
+    return _tools_sft("tiny-tools-eye", TINY_TOOLS_EYE_RECIPE, tiny_sft_path, spec, shares={"zoom": 1.0})
+
+
+def tiny_tools_sft_path():
+    """The warm start of the tiny tool task: tiny-tools-eye (tiny-sft after SFT on zoomed boxes) after SFT on tool-use
+    traces (zoom into the asked colour's box, then answer), answers from the overview alone and zoomed boxes alone
+    (tools_task.warm_start_rows; recipes/stages/tiny_tools_sft.yaml)."""
+    with open(TINY_TOOLS_EYE_RECIPE) as f:
+        spec = {"tiny-sft": _tiny_sft_spec(), "tools": _tools_spec(), "eye": f.read()}
+    return _tools_sft("tiny-tools-sft", TINY_TOOLS_SFT_RECIPE, tiny_tools_eye_path, spec)
 
 
 def _source(*objects):
