@@ -32,13 +32,14 @@ import sys
 import datasets
 from datasets import DatasetDict
 
-from tiny import cycle, edits, shapes, shipped, t2i, video_shapes
+from tiny import cycle, edits, shapes, shipped, t2i, tokenizer, tools_task, video_shapes
 from tiny.edits import make_edit_triples, reflector_rows
 from tiny.generator_config import TinyEditGeneratorConfig, TinyGeneratorConfig
 from tiny.models import make_tiny_llm, make_tiny_vlm
 from tiny.reflector import describe_rows, reflector_sft_rows, with_eye
 from tiny.shapes import make_shapes_vqa
 from tiny.t2i import make_t2i_prompts, write_jsonl
+from utils.core import image_tools
 from utils.core.checkpoint import latest_checkpoint
 from utils.core.config import ConfigError
 from utils.core.data_sources import load_table
@@ -234,9 +235,6 @@ def tiny_video_sft_path():
 
 
 def _tools_spec():
-    from tiny import tokenizer, tools_task
-    from utils.core import image_tools
-
     return {"splits": tools_task.SPLITS, "warm_start": tools_task.WARM_START,
             "source": _source(tools_task, image_tools.zoom_image, image_tools.fit_pixels, tokenizer._im_start_template,
                               tokenizer._QWEN_TOOLS_SYSTEM, tokenizer._QWEN_TOOL_CALLS)}
@@ -244,10 +242,6 @@ def _tools_spec():
 
 def tools_dataset_path():
     """The tiny tool task's rows (tiny/tools_task.py): a save_to_disk DatasetDict in TRL's conversational format."""
-    from datasets import DatasetDict
-
-    from tiny import tools_task
-
     def build(out):
         DatasetDict({split: tools_task.make_tools_dataset(**spec)
                      for split, spec in tools_task.SPLITS.items()}).save_to_disk(out)
@@ -258,8 +252,6 @@ def tools_dataset_path():
 def tools_zoom_dataset_path():
     """The tool task's held-out rows with the asked box already zoomed ("What shape is this?"): can a model read the
     zoomed shape at all (tiny/tools_task.py)?"""
-    from tiny import tools_task
-
     return cached("tools-zoom", _tools_spec(), lambda out: DatasetDict(
         {"test": tools_task.make_tools_dataset(**tools_task.SPLITS["test"], zoom=True)}).save_to_disk(out))
 
@@ -267,8 +259,6 @@ def tools_zoom_dataset_path():
 def _tools_sft(name, recipe, start, spec, shares=None):
     """`recipe` (a stage of the tiny tool task's warm start) from the checkpoint `start()` on the warm-start rows of
     `shares` (tools_task.warm_start_rows), with the chat template that writes Qwen's tool format."""
-    from tiny import tools_task
-
     rows = {**tools_task.WARM_START, "shares": shares} if shares else tools_task.WARM_START
     return _trained(name, recipe, spec, lambda: [
         "--model_name_or_path", start(),

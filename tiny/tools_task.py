@@ -18,12 +18,18 @@ eye to read it. GRPO with and without `--tools` then start from the same model.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 
+import datasets
 from PIL import Image, ImageDraw
 
 from tiny.shapes import DEFAULT_COLORS, SHAPES, draw_shape
+from tiny.tokenizer import _FAMILY_TOKENS
+from utils.core.image_tools import zoom_image
+from utils.core.tools import ToolBox
 
 IMAGE_SIZE = 630  # the data's images
 GRID = 3
@@ -101,8 +107,6 @@ def prompt_of(question):
 
 def zoomed(row, cell=None):
     """What zoom_image returns for the box of `cell` (default: the asked colour's) of a row's image."""
-    from utils.core.image_tools import zoom_image
-
     return zoom_image(object_box(row["cell"] if cell is None else cell), images=[row["image"]],
                       max_pixels=SEEN_PIXELS)
 
@@ -111,8 +115,6 @@ def make_tools_dataset(n: int, *, seed: int = 0, zoom: bool = False):
     """A `datasets.Dataset` in TRL's conversational VLM format: prompt, images, answer, id, cell. With `zoom`, each
     row's image is the asked box already zoomed and the question "What shape is this?": the forced-zoom check
     (can the model read the zoomed shape at all?)."""
-    import datasets
-
     rows = task_rows(n, seed=seed)
     part = {"type": datasets.Value("string"), "text": datasets.Value("string")}
     features = datasets.Features({
@@ -134,10 +136,6 @@ def warm_start_rows(n: int, *, seed: int = 0, shares: dict = None, wrong_calls: 
     (WARM_START_SHARES): `tool`, the tool offered, a call on the asked colour's box (or, for a `wrong_calls` share,
     an empty cell's), the zoomed box as its result, the answer; `plain`, answered from the overview alone; `zoom`,
     the zoomed box alone with "What shape is this?"."""
-    import json
-
-    from utils.core.tools import ToolBox
-
     shares = shares or WARM_START_SHARES
     schemas = json.dumps(ToolBox([TOOL]).schemas)
     out = []
@@ -163,8 +161,6 @@ def warm_start_rows(n: int, *, seed: int = 0, shares: dict = None, wrong_calls: 
 
 def save_warm_start(rows, out):
     """`warm_start_rows` as a save_to_disk folder that train_sft.py's sharegpt loader reads."""
-    import datasets
-
     features = datasets.Features({
         "id": datasets.Value("string"),
         "messages": datasets.List({"from": datasets.Value("string"), "value": datasets.Value("string")}),
@@ -176,10 +172,6 @@ def save_warm_start(rows, out):
 def save_template(out):
     """The tiny ChatML template with Qwen's tool format, as a .jinja file (the warm start's --chat_template_path:
     a cached tiny-sft saved before the template rendered tools gets it)."""
-    import os
-
-    from tiny.tokenizer import _FAMILY_TOKENS
-
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(_FAMILY_TOKENS["qwen2_5_vl"]["template"]())
