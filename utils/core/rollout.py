@@ -16,6 +16,8 @@ import os
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
+from transformers.generation import logits_process as lp
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from utils.core.errors import InputError
 from utils.core.seeds import GumbelSampler
@@ -86,8 +88,6 @@ def lean_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     decoding them, padded, until the last row ends. A row's logits do not depend on the other rows of its batch
     except through the GEMM kernel a batch size picks; the batch never shrinks below MIN_ROWS rows, under which
     the CPU's kernels round differently (tests/test_lean_decode.py compares the tokens with `generate`'s)."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
     unknown = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     if synced_gpus or streamer is not None or generation_config.return_dict_in_generate or unknown:
         raise ValueError("lean_decode: synced_gpus, streamers, dict outputs and stopping criteria other than the "
@@ -136,8 +136,6 @@ def decode_processors(logits_processor, prompt_length, device):
     """`generate`'s logits processors as the decoding loop applies them, each with the same result at every token:
     a minimum length the prompt already reaches left out (it would only copy the scores: no EOS is ever masked),
     token suppression with its vocabulary mask built once rather than at every token."""
-    from transformers.generation import logits_process as lp
-
     kept = []
     for processor in logits_processor:
         if type(processor) is lp.MinLengthLogitsProcessor and processor.min_length <= prompt_length:
