@@ -36,8 +36,9 @@ lint: install-dev
 test: lint
 	$(PY) -m pytest -q -m "not full and not build"
 
+# The full tier on two workers, one test file each at a time: half its launches are one process of one thread.
 test-full: lint
-	$(PY) -m pytest -q -m "full and not build"
+	$(PY) -m pytest -q -m "full and not build" -n 2 --dist loadfile
 
 test-unit: lint
 	$(PY) -m pytest -q -m "not slow and not full and not build"

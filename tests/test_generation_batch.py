@@ -155,22 +155,22 @@ def test_bias_corrected_kl_keeps_the_loss_and_moves_the_gradient(assets, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.full
-@pytest.mark.parametrize("launcher", ["ddp", "zero2", "zero3", "lora"])
+@pytest.mark.parametrize("launcher", ["ddp", "zero3", "lora"])
 def test_sync_ref_model_on_two_processes(assets, tmp_path, launcher):
     """Two processes, rounds of 2 optimizer steps, the reference synced with alpha 1 after every step: each round's
-    first step has KL 0 (the reference is the policy that generated it) and its second a KL > 0, under DDP, ZeRO-2,
-    ZeRO-3 (pairs gathered, mixed on the first process) and DDP with LoRA (the reference adapters); the checkpoint
-    inside a round resumes to the same steps."""
+    first step has KL 0 (the reference is the policy that generated it) and its second a KL > 0, under DDP (ZeRO-1/2
+    hold whole weights and mix them with the same code), ZeRO-3 (pairs gathered, mixed on the first process) and DDP
+    with LoRA (the reference adapters); the checkpoint inside a round resumes to the same steps."""
     from tests.launch_helpers import cli, finish, launch
 
     args = dict(model_name_or_path=assets["qwen"], dataset_name=assets["data"], output_dir=str(tmp_path / "run"),
                 num_generations=4, per_device_train_batch_size=4, max_completion_length=8, max_steps=4,
                 learning_rate=5e-3, report_to="none", seed=0, reward_funcs="tests.grpo_helpers:completion_length",
                 beta=0.1, sync_ref_model="true", ref_model_sync_steps=1, ref_model_mixup_alpha=1.0,
-                steps_per_generation=2, save_steps=1, eval_dataset_name="none")
+                steps_per_generation=2, save_steps=3, eval_dataset_name="none")
     if launcher == "lora":
         args.update(use_peft="true", lora_r=4, learning_rate=5e-2)
-    config = {"ddp": "cpu", "lora": "cpu", "zero2": "zero2", "zero3": "zero3"}[launcher]
+    config = {"ddp": "cpu", "lora": "cpu", "zero3": "zero3"}[launcher]
     env = {"DS_ACCELERATOR": "cpu"} if launcher.startswith("zero") else None
     finish(launch("train_grpo.py", cli(**args), 2, config=config, env=env), what=f"sync_ref_model ({launcher})")
     metrics = {m["step"]: m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")}

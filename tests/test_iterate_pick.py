@@ -243,16 +243,21 @@ def test_benchmark_stages_are_checked_before_any_stage_runs(questions, tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.full
-def test_two_real_cycles_with_validation_picks_and_served_regeneration_on_requirements_txt_alone(distill_world,
-                                                                                                 tmp_path):
+def test_two_real_cycles_killed_mid_sft_resume_pick_on_validation_and_regenerate_served(distill_world, tmp_path):
     """The micro cycle of tests/test_iterate.py, really run, in an environment of requirements.txt's packages alone
-    (tests/requirements_env.py): each RL stage checkpoints every step, is scored on the validation rows (its start
-    included), the cycle goes on from the pick, and cycle 2's new rows come from cycle 1's model served by
-    `transformers serve`."""
+    (tests/requirements_env.py). iterate.py alone is SIGKILLed (kill -9 <its pid>) in cycle 1's SFT: its stage's
+    whole process tree ends within seconds, and a rerun resumes the SFT from its checkpoint without redoing the
+    finished stages. Each RL stage checkpoints every step, is scored on the validation rows (its start included),
+    the cycle goes on from the pick, and cycle 2's new rows come from cycle 1's model served by `transformers
+    serve`."""
+    import signal
     import subprocess
+    import time
 
+    from tests.launch_helpers import sigkill_when
     from tests.requirements_env import closure, make_view_venv, pinned
     from tests.test_iterate import REPO, _micro_recipe
+    from utils.core.launch import _start_time, stage_processes
 
     python = make_view_venv(str(tmp_path / "venv"), closure(pinned()))
     values = _micro_recipe(distill_world, tmp_path)
@@ -260,16 +265,40 @@ def test_two_real_cycles_with_validation_picks_and_served_regeneration_on_requir
     recipe = tmp_path / "cycles.yaml"
     recipe.write_text(yaml.safe_dump(values))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    out = subprocess.run([python, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
-                         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=2400)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+    def launch():
+        return subprocess.Popen([python, os.path.join(REPO, "iterate.py"), "--config", str(recipe)], cwd=REPO,
+                                env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
     run = tmp_path / "run"
+    victim = launch()
+    stage = f"{victim.pid}:{_start_time(victim.pid)}"  # what iterate.py puts in its stages' environment
+    sigkill_when(victim, run / "cycle-1" / "sft" / "checkpoint-2", timeout=900, poll=0.1, whole_session=False)
+    deadline = time.time() + 10
+    while stage_processes(stage) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not stage_processes(stage), f"stage processes outlived iterate.py: {stage_processes(stage)}"
+    assert victim.returncode == -signal.SIGKILL
+    assert not (run / "cycle-1" / "sft" / "stage.json").exists(), "the kill came after the stage had finished"
+    finished = {p: (p.read_text(), p.stat().st_mtime) for p in (run / "eval-base" / "stage.json",
+                                                                run / "cycle-1" / "data" / "stage.json")}
+
+    rerun = launch()
+    out, _ = rerun.communicate(timeout=2400)
+    assert rerun.returncode == 0, out[-4000:]
+    assert "[iterate] eval-base: finished earlier" in out and "[iterate] cycle-1/data: finished earlier" in out
+    assert {p: (p.read_text(), p.stat().st_mtime) for p in finished} == finished  # never redone
+    assert "resumed from" in (run / "cycle-1" / "sft" / "stage.log").read_text()  # from its last checkpoint
     report = json.loads((run / "report.json").read_text())
+    assert [c["cycle"] for c in report["cycles"]] == [1, 2] and (run / "report.png").exists()
     for cycle in report["cycles"]:
+        assert set(cycle["stages"]) == {"sft", "grpo-medium", "grpo-hard"}
+        assert all(0.0 <= s["accuracy"] <= 1.0 for s in cycle["stages"].values())
         assert set(cycle["picked"]) == {"grpo-medium", "grpo-hard"}
-        for stage, pick in cycle["picked"].items():
+        for stage_name, pick in cycle["picked"].items():
             assert set(pick["steps"]) == {"0", "1", "2"} and pick["value"] == max(pick["steps"].values())
-            assert f"{stage} picked step {pick['step']}" in out.stdout
+            assert f"{stage_name} picked step {pick['step']}" in out
     hard = yaml.safe_load((run / "cycle-1" / "grpo-hard" / "recipe.yaml").read_text())
     assert hard["model_name_or_path"] == report["cycles"][0]["picked"]["grpo-medium"]["best_checkpoint"]
     # cycle 2: half its SFT rows kept from cycle 1, its SFT from the base model, the cross-cycle claims
