@@ -16,6 +16,18 @@ if REPO not in sys.path:
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test-full`: `-n 2`), each worker runs on its own share of the cores, so the torch
+    threads of one worker's tests and launches never contend with the other's: the scripts size their thread
+    pools from the cores a process may run on (utils.core.launch.set_cpu_threads), and OpenMP's spinning threads
+    slow down several times when two pools share a core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker and count > 1 and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= count:
+            os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
 @pytest.fixture(autouse=True)
 def _keep_torch_threads():
     """The train scripts' main() sets the torch thread count (utils.core.launch.set_cpu_threads); keep that
