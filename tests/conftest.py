@@ -72,19 +72,18 @@ def distill_world(tmp_path_factory):
     """(questions.jsonl, its rows, a tiny reasoner that knows their chains by heart): tests/distill_helpers.py. The
     reasoner is trained once per version of the code that makes it, into the tiny cache (tiny/cache.py's `cached`),
     so the fast tier, the full tier and each pytest worker share it."""
-    import hashlib
-
+    import train_sft
+    from tests import distill_helpers
     from tests.distill_helpers import train_memorized_reasoner, write_questions
     from tests.launch_helpers import failing_fixture
-    from tiny.cache import cached
+    from tiny import cycle, models, shapes
+    from tiny.cache import _source, cached
     from utils.core.checkpoint import latest_checkpoint
 
     folder = tmp_path_factory.mktemp("distill-world")
     with failing_fixture("the distill world (16 shapes questions, the tiny reasoner trained on their chains)"):
         path, rows = write_questions(str(folder))
-        sources = [os.path.join(REPO, p) for p in ("tests/distill_helpers.py", "train_sft.py", "tiny/models.py",
-                                                   "tiny/shapes.py", "tiny/cycle.py")]
-        spec = {"code": [hashlib.sha1(open(p, "rb").read()).hexdigest() for p in sources],
+        spec = {"code": _source(distill_helpers, train_sft, models, shapes, cycle),
                 "rows": [[r["id"], r["question"], r["answer"]] for r in rows]}
         built = cached("test-distill-reasoner", spec, lambda out: train_memorized_reasoner(rows, out))
         return path, rows, latest_checkpoint(os.path.join(built, "train"))
