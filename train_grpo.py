@@ -24,7 +24,7 @@ from transformers import TrainerState
 from kernels import group_advantages
 from rewards import get_reward
 from tiny.cache import TINY_DATASET, TINY_MODEL, TINY_RECIPE, resolve_tiny, tiny_recipe
-from utils.core.checkpoint import save_and_push
+from utils.core.checkpoint import CHECKPOINT_PREFIX, load_checkpoint, save_and_push
 from utils.core.compiled_generation import CACHE_IMPLEMENTATIONS, CompiledRollout, resolve_cache_implementation
 from utils.core.config import ConfigError, choice, parse_config
 from utils.core.conversations import (
@@ -81,9 +81,10 @@ from utils.core.vllm_flags import VLLM_MODES, check_vllm_flags
 from utils.core.vllm_rollout import require_vllm
 from utils.core.vllm_server_rollout import make_vllm_rollout
 from utils.core.zero3 import clear_stale_zero3_gradients, is_zero3, unwrap_for_generation
-from utils.eval.heldout import evaluate_after, evaluate_before, evaluate_policy, load_eval_set
+from utils.eval.heldout import evaluate_after, evaluate_before, evaluate_policy, load_eval_set, load_val_set
 
 SCALES = ("group", "batch", "none")
+BEST_METRICS = ("accuracy", "format", "reasoning_agrees")  # the validation scores --metric_for_best_model may name
 
 
 @dataclass
@@ -244,6 +245,18 @@ class GRPOConfig(HeldOutFlags, CheckpointFlags, ImageVideoFlags, ModelFlags, Hub
     num_completions_to_print: Optional[int] = None  # with --log_completions, print this many per logged step; none: all
     # logging: held-out evaluation (greedy answer accuracy on VQA rows)
     eval_before: bool = field(default=True, metadata={"help": "also evaluate the starting model"})
+    # logging: validation at each checkpoint, and the best one at the end
+    val_split: Optional[str] = field(default=None, metadata={
+        "help": "split of --eval_dataset_name (else --dataset_name) scored greedily at every checkpoint, before it is "
+                "written (val_* metrics); none: no validation"})
+    val_samples: Optional[int] = 256  # validate on the first N rows of --val_split; none: all
+    load_best_model_at_end: bool = field(default=False, metadata={
+        "help": "after the last step, load the checkpoint with the best --metric_for_best_model on --val_split (ties: "
+                "the earliest) and run the held-out evaluation on it; train_summary.json names it "
+                "(best_model_checkpoint) and --save_total_limit never deletes it (HF's flag)"})
+    metric_for_best_model: Optional[str] = field(default=None, metadata={
+        "help": f"the validation metric --load_best_model_at_end picks on, one of {', '.join(BEST_METRICS)}; higher is "
+                "better (HF's flag); none: accuracy"})
 
 
 def parse_args(argv=None):
@@ -352,6 +365,9 @@ def validate(cfg, num_processes, distributed_type="NO"):
         raise ConfigError("--eval_samples must be >= 1 or none")
     if cfg.eval_batch_size < 1:
         raise ConfigError("--eval_batch_size must be >= 1")
+    validation_error = val_flags_error(cfg)
+    if validation_error:
+        raise ConfigError(validation_error)
     if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
         raise ConfigError(f"--cpu_threads {cfg.cpu_threads} must be >= 1")
     if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
@@ -404,6 +420,28 @@ def generation_steps(cfg, num_processes):
                           f"generation must end with an optimizer step here"
                           f"{' (with --num_iterations 1 a divisor of it also runs)' if GA % S == 0 else ''}")
     return S
+
+
+def val_flags_error(cfg):
+    """The one-line reason the validation flags cannot run (--val_split, --val_samples, --load_best_model_at_end),
+    or None. The validation rows must be neither the held-out rows nor the training rows."""
+    if cfg.load_best_model_at_end and not cfg.val_split:
+        return "--load_best_model_at_end picks on validation rows: give --val_split (a split never trained on)"
+    if cfg.metric_for_best_model not in (None, *BEST_METRICS):
+        return f"--metric_for_best_model {cfg.metric_for_best_model}: choose one of {', '.join(BEST_METRICS)}"
+    if not cfg.val_split:
+        return None
+    if cfg.val_samples is not None and cfg.val_samples < 1:
+        return "--val_samples must be >= 1 or none"
+    name = cfg.eval_dataset_name or cfg.dataset_name
+    heldout = cfg.eval_split if cfg.eval_dataset_name else cfg.dataset_test_split
+    if cfg.val_split == heldout:
+        return (f"--val_split {cfg.val_split} is the held-out split of {name}: a checkpoint picked on it would be "
+                "scored on the rows that picked it; give another split")
+    if name == cfg.dataset_name and cfg.val_split == train_split(cfg):
+        return (f"--val_split {cfg.val_split} is the training split of {name}: validate on rows the run does not "
+                "train on")
+    return None
 
 
 def validate_tools(cfg):
@@ -595,6 +633,7 @@ def main(cfg: GRPOConfig):
                                + (["tool_calls"] if toolbox else []))
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
     eval_set = load_eval_set(cfg, accelerator)
+    val_set = load_val_set(cfg, accelerator)  # --val_split: scored at each checkpoint
 
     # ---- model, reference, optimiser ----
     model, processor = load_model_and_processor(model_path, **model_flags(cfg))
@@ -657,6 +696,7 @@ def main(cfg: GRPOConfig):
     pending = restore_round(ro, resume_path, state["round"]) if state.get("round") else None
     guard = StepGuard(accelerator, cfg.max_skipped_steps)  # no optimizer step from a NaN or inf (utils/core/guards.py)
     guard.load_state_dict(state.get("guard"))
+    best = state.get("best")  # --val_split: the best checkpoint so far (`better_checkpoint`)
     stages, levels = {"all": list(range(len(dataset)))}, None
     if cfg.curriculum:
         levels = state.get("difficulty_levels") or difficulty_levels(ro)
@@ -673,6 +713,12 @@ def main(cfg: GRPOConfig):
                                  tools=tools)
         if tag == "after":
             logger.log(global_step, {f"heldout_{k}": v for k, v in result.items()})
+        return result
+
+    def validation():  # greedy scores on --val_split, logged as val_<key> at this step
+        result = evaluate_policy(policy, processor, val_set, cfg, accelerator, prompt_template=cfg.prompt_template,
+                                 tools=tools, max_samples=cfg.val_samples or len(val_set))
+        logger.log(global_step, {f"val_{k}": v for k, v in result.items()})
         return result
 
     heldout_before = evaluate_before(
@@ -723,25 +769,47 @@ def main(cfg: GRPOConfig):
                          learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
                          timings=timings, skipped_steps=guard.skipped_steps)
             if is_due(global_step, cfg.save_steps, max_steps):
+                if val_set is not None:  # scored before the checkpoint is written, which records the best so far
+                    best = better_checkpoint(best, validation(), cfg, global_step, accelerator.print)
                 inside = position + 1 < mu * steps_per_pass  # the round goes on after this step
                 state = dict(global_step=global_step, round_index=round_index + (not inside),
                              sampler=sampler.state_dict(), stage=sampler.names[sampler.stage(global_step - 1)],
-                             difficulty_levels=levels, heldout_before=heldout_before, guard=guard.state_dict())
+                             difficulty_levels=levels, heldout_before=heldout_before, guard=guard.state_dict(),
+                             best=best)
                 saves = round_saves(ro, state, batches, position + 1 if inside else None, reward_log, sampling,
                                     ref_sync)
                 save_and_push(accelerator, cfg, global_step, model=policy, processor=processor, state=state,
                               logger=logger, uploader=uploader, base_model=model_path, script="train_grpo.py",
-                              extra_saves=saves)
+                              extra_saves=saves, keep=[best["checkpoint"]] if best else [])
             if global_step >= max_steps:
                 break
         round_index += 1
 
+    if cfg.load_best_model_at_end and best and best["step"] != global_step:
+        load_checkpoint(accelerator, best["checkpoint"])  # its weights into the policy, as a resume loads them
+        accelerator.print(f"loaded the best checkpoint on validation {best['metric']}: {best['checkpoint']} "
+                          f"({best['value']:.3f})")
     summary = train_summary(global_step, train_start, logger)
+    if best:  # HF's names
+        summary.update(best_model_checkpoint=best["checkpoint"], best_metric=best["value"], best_step=best["step"])
     evaluate_after(accelerator, evaluate if eval_set is not None else None, summary, heldout_before,
                   summarize=heldout_summary, describe=heldout_lines)
     finish_run(accelerator, cfg, logger, uploader, summary,
                curves=[("reward_curve.png", ["reward"] + [f"rewards/{n}" for n in cfg.reward_funcs], 0.8)])
     return policy
+
+
+def better_checkpoint(best, result, cfg, step, print_fn=print):
+    """The best checkpoint so far once `step`'s is scored on the validation rows (`result`, higher
+    --metric_for_best_model is better; a tie keeps the earlier one): {"step", "checkpoint", "metric", "value"}."""
+    metric = cfg.metric_for_best_model or "accuracy"
+    value = result[metric]
+    if best is None or value > best["value"]:
+        best = {"step": step, "checkpoint": os.path.join(cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}"),
+                "metric": metric, "value": value}
+    print_fn(f"step {step}: validation {metric} {value:.3f} ({result['samples']} rows; best: step {best['step']}, "
+             f"{best['value']:.3f})")
+    return best
 
 
 def heldout_summary(after, before):

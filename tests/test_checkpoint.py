@@ -159,6 +159,17 @@ def test_save_total_limit_prunes_oldest_and_resave_replaces(tmp_path):
     assert not (tmp_path / "checkpoint-41").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_save_total_limit_never_deletes_a_kept_checkpoint(tmp_path):
+    # --load_best_model_at_end keeps the best so far beside the limit, as HF's Trainer does
+    accelerator, model = _tiny_prepared()
+    for step in (1, 2, 3):
+        save_checkpoint(accelerator, tmp_path, step, model=model)
+    save_checkpoint(accelerator, tmp_path, 4, model=model, save_total_limit=1, keep=[tmp_path / "checkpoint-2"])
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    save_checkpoint(accelerator, tmp_path, 5, model=model, save_total_limit=2, keep=[str(tmp_path / "checkpoint-2")])
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5"]
+
+
 def test_resolve_resume(tmp_path):
     assert resolve_resume(None, tmp_path) is None
     assert resolve_resume("latest", tmp_path) is None  # first run: nothing to resume yet

@@ -128,6 +128,92 @@ def test_bad_flag_combinations_fail_before_loading(assets, tmp_path):
         run(config(assets, tmp_path, reward_funcs=["nope"]))
 
 
+def test_validation_flags_fail_before_loading(assets, tmp_path):
+    with pytest.raises(ValueError, match="--load_best_model_at_end picks on validation rows: give --val_split"):
+        run(config(assets, tmp_path, load_best_model_at_end=True))
+    with pytest.raises(ValueError, match="--val_split test is the held-out split of"):
+        run(config(assets, tmp_path, val_split="test", eval_dataset_name=assets["data"], eval_split="test"))
+    with pytest.raises(ValueError, match="--val_split train is the training split of"):
+        run(config(assets, tmp_path, val_split="train"))
+    with pytest.raises(ValueError, match="--val_samples must be >= 1"):
+        run(config(assets, tmp_path, val_split="validation", val_samples=0))
+    with pytest.raises(ValueError, match="--metric_for_best_model eval_loss: choose one of accuracy, format"):
+        run(config(assets, tmp_path, val_split="validation", metric_for_best_model="eval_loss"))
+
+
+@pytest.fixture(scope="module")
+def split_assets(assets):
+    """The shapes rows as train / validation / test splits of one data set."""
+    from datasets import DatasetDict
+
+    from tiny.shapes import make_shapes_vqa
+
+    path = str(assets["root"] / "splits")
+    DatasetDict({"train": make_shapes_vqa(48, seed=0, kinds=("color", "count")),
+                 "validation": make_shapes_vqa(6, seed=2, kinds=("color", "count")),
+                 "test": make_shapes_vqa(5, seed=1, kinds=("color", "count"))}).save_to_disk(path)
+    return path
+
+
+def scripted_validation(monkeypatch, values):
+    """train_grpo's evaluations run for real; the validation ones (6 rows) report `values` in turn as their
+    accuracy. Returns the calls: (rows scored, the policy's first weight's sum when scored)."""
+    real, calls, scripted = train_grpo.evaluate_policy, [], iter(values)
+
+    def evaluate_policy(policy, processor, eval_set, cfg, accelerator, **kwargs):
+        result = real(policy, processor, eval_set, cfg, accelerator, **kwargs)
+        calls.append((result["samples"], next(policy.parameters()).detach().double().sum().item()))
+        return {**result, "accuracy": next(scripted)} if result["samples"] == 6 else result
+
+    monkeypatch.setattr(train_grpo, "evaluate_policy", evaluate_policy)
+    return calls
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_scores_each_checkpoint_keeps_and_loads_the_best(assets, split_assets, tmp_path,
+                                                                                  monkeypatch):
+    calls = scripted_validation(monkeypatch, [0.25, 0.75, 0.75, 0.5])
+    policy = run(config(assets, tmp_path, dataset_name=split_assets, eval_dataset_name=split_assets,
+                        eval_split="test", val_split="validation", val_samples=None, load_best_model_at_end=True,
+                        save_steps=1, save_total_limit=1, max_steps=4,
+                        reward_funcs=["tests.grpo_helpers:completion_length"]))
+    # held out before, validation at each of the 4 checkpoints (all 6 rows), held out after
+    assert [n for n, _ in calls] == [5, 6, 6, 6, 6, 5]
+    metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "val_accuracy" in m]
+    assert [(m["step"], m["val_accuracy"], m["val_samples"]) for m in metrics] == [
+        (1, 0.25, 6), (2, 0.75, 6), (3, 0.75, 6), (4, 0.5, 6)]
+    # the best (a tie keeps the earlier) is kept beside the newest whatever --save_total_limit says
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["best"] == {"step": 2, "checkpoint": str(tmp_path / "checkpoint-2"), "metric": "accuracy",
+                             "value": 0.75}
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert (summary["best_model_checkpoint"], summary["best_metric"], summary["best_step"]) == (
+        str(tmp_path / "checkpoint-2"), 0.75, 2)
+    # the run ends holding checkpoint-2's weights, and the held-out evaluation scored them, not step 4's
+    from transformers import AutoModelForImageTextToText
+
+    best, last = (AutoModelForImageTextToText.from_pretrained(tmp_path / f"checkpoint-{step}").state_dict()
+                  for step in (2, 4))
+    trained = policy.model.state_dict()
+    assert best.keys() == trained.keys() and all(trained[k].equal(best[k]) for k in best)
+    assert any(not last[k].equal(best[k]) for k in best)
+    assert calls[-1][1] == calls[2][1] != calls[4][1]  # after == at step 2's validation != at step 4's
+
+
+@pytest.mark.slow
+def test_the_best_checkpoint_so_far_is_resumed_with_the_run(assets, split_assets, tmp_path, monkeypatch):
+    calls = scripted_validation(monkeypatch, [0.5, 0.25, 0.5])
+    flags = dict(dataset_name=split_assets, eval_dataset_name=split_assets, eval_split="test", eval_before=False,
+                 val_split="validation", load_best_model_at_end=True, save_steps=1)
+    run(config(assets, tmp_path, max_steps=2, **flags))
+    run(config(assets, tmp_path, max_steps=3, resume_from_checkpoint="latest", **flags))
+    # step 1's 0.5 came back with checkpoint-2: step 3's 0.5 ties it and the earlier stays the best
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert (summary["best_step"], summary["best_metric"]) == (1, 0.5)
+    assert len(calls) == 2 + 1 + 2  # validation at steps 1-2, held out after; then step 3, held out after
+
+
 @pytest.mark.slow
 def test_prompt_over_max_length_names_the_sample(assets, tmp_path):
     with pytest.raises(ValueError, match=r"sample 'shapes-0-\d+': prompt is \d+ tokens.*--max_prompt_length 20"):
@@ -587,6 +673,26 @@ def test_deepspeed_on_two_cpu_processes_matches_ddp_and_resumes(assets, ddp_run,
         assert [m["step"] for m in resumed] == [2]
         for key in ("reward", "loss", "completion_length"):
             assert resumed[0][key] == pytest.approx(ds[1][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_load_best_model_at_end_under_zero3_on_two_processes(assets, split_assets, tmp_path):
+    # validation on sharded weights at each checkpoint, then the best one loaded into the DeepSpeed engine on both
+    # ranks (the in-process test above checks which weights; this one the collectives around them)
+    out = finish(grpo(cli(assets, tmp_path, dataset_name=split_assets, eval_dataset_name=split_assets,
+                          eval_split="test", val_split="validation", load_best_model_at_end="true",
+                          metric_for_best_model="format", save_steps=1, save_total_limit=1,
+                          per_device_train_batch_size=4), 2, config="zero3", env={"DS_ACCELERATOR": "cpu"}))
+    val = {m["step"]: m["val_format"] for m in read_jsonl(tmp_path / "metrics.jsonl") if "val_format" in m}
+    assert sorted(val) == [1, 2, 3]
+    best = max(val, key=lambda step: (val[step], -step))  # the highest, the earliest of a tie
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert (summary["best_step"], summary["best_metric"]) == (best, val[best])
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == sorted({f"checkpoint-{best}", "checkpoint-3"})
+    assert out.count("loaded the best checkpoint") == (best != 3), out[-3000:]  # printed once, by the main process
+    assert best != 3, val  # (a random model formats nothing: step 1 ties the later ones, so a load happens)
+    assert "heldout_accuracy_after" in summary
 
 
 @pytest.fixture(scope="module")

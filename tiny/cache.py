@@ -92,6 +92,9 @@ CACHE_DIR = os.environ.get("MMGRPO_TINY_CACHE", os.path.join("outputs", "tiny-ca
 # this small learns by SFT, and improves on with RL (docs/tiny.md).
 SHAPES_KINDS = ["count", "count_color"]
 SHAPES_SPLITS = {"train": dict(n=4000, seed=0, kinds=SHAPES_KINDS), "test": dict(n=256, seed=1, kinds=SHAPES_KINDS)}
+# The GRPO recipe's validation rows (--val_split validation), from a third seed: it picks its checkpoint on them, never
+# on the held-out split. Kept apart from SHAPES_SPLITS, which the SFT builds' cache keys hash (they train on train).
+SHAPES_VALIDATION = dict(n=256, seed=2, kinds=SHAPES_KINDS)
 # The video task's clips (8 frames at 4 fps, 84 x 84); train and held-out rows from different seeds.
 VIDEO_SPLITS = {"train": dict(n=4000, seed=0), "test": dict(n=256, seed=1)}
 # The reflect -> refine data (tiny/edits.py), at the tiny generator's image size; held-out rows from another seed.
@@ -141,10 +144,12 @@ def tiny_llm_path():
 
 
 def shapes_dataset_path():
-    def build(out):
-        DatasetDict({split: make_shapes_vqa(**spec) for split, spec in SHAPES_SPLITS.items()}).save_to_disk(out)
+    splits = {**SHAPES_SPLITS, "validation": SHAPES_VALIDATION}
 
-    return cached("shapes", SHAPES_SPLITS, build)
+    def build(out):
+        DatasetDict({split: make_shapes_vqa(**spec) for split, spec in splits.items()}).save_to_disk(out)
+
+    return cached("shapes", splits, build)
 
 
 def video_dataset_path():

@@ -112,13 +112,16 @@ def _json_safe(value):
     return value
 
 
-def prune_checkpoints(output_dir: str | os.PathLike, save_total_limit: int, keep: str | os.PathLike | None = None):
-    """Delete the oldest complete checkpoints so at most `save_total_limit` remain; never deletes `keep`."""
+def prune_checkpoints(output_dir: str | os.PathLike, save_total_limit: int, keep=None):
+    """Delete the oldest complete checkpoints so at most `save_total_limit` remain; never deletes `keep` (a path, or
+    several: the newest, and with train_grpo's --load_best_model_at_end the best so far, which HF's Trainer keeps
+    beside the limit too)."""
     if save_total_limit < 1:
         raise ValueError(f"save_total_limit must be >= 1 or None, got {save_total_limit}")
     checkpoints = list_checkpoints(output_dir)
-    keep_path = Path(keep).resolve() if keep is not None else None
-    removable = [p for p in checkpoints if p.resolve() != keep_path]
+    kept = [keep] if isinstance(keep, (str, os.PathLike)) else list(keep or ())
+    keep_paths = {Path(p).resolve() for p in kept}
+    removable = [p for p in checkpoints if p.resolve() not in keep_paths]
     excess = len(checkpoints) - save_total_limit
     for path in removable[: max(excess, 0)]:
         _rmtree(path)
@@ -147,10 +150,11 @@ class NonFiniteWeightsError(RunStopped):
 
 
 def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None, extra_state: dict | None = None,
-                    save_total_limit: int | None = None, extra_saves: dict | None = None) -> str:
+                    save_total_limit: int | None = None, extra_saves: dict | None = None, keep=()) -> str:
     """Save a resumable + HF-loadable checkpoint. Call on every rank (DeepSpeed's save and ZeRO-3's gather are
     collective). `extra_saves` ({subfolder: fn(folder)}, run on the main process) adds other loadable parts, e.g.
-    a second model's adapter, inside the same atomic folder. Returns the path of `checkpoint-{step}`.
+    a second model's adapter, inside the same atomic folder. `keep`: checkpoints --save_total_limit never deletes
+(besides this one). Returns the path of `checkpoint-{step}`.
 
     Refused (NonFiniteWeightsError on every rank, nothing written) when a weight is NaN or infinite. Every file is
     flushed to disk (fsync) before the rename, and `training_state/manifest.json` records the sha256 of each
@@ -207,7 +211,7 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
             os.replace(tmp, final)
         fsync_dir(output_dir)  # the rename itself on disk
         if save_total_limit is not None:
-            prune_checkpoints(output_dir, save_total_limit, keep=final)
+            prune_checkpoints(output_dir, save_total_limit, keep=[final, *keep])
     accelerator.wait_for_everyone()
     return str(final)
 
@@ -223,13 +227,13 @@ def load_checkpoint(accelerator, path) -> dict:
 
 
 def save_and_push(accelerator, cfg, step, *, model, processor, state, logger, uploader, base_model, script,
-                  extra_saves=None, **card):
-    """The step's checkpoint (atomic, `save_checkpoint`: the prepared `model`, optimizer,
-    scheduler, RNG, the script's `state` and `extra_saves`; --save_total_limit kept), then, with --push_to_hub, its
+                  extra_saves=None, keep=(), **card):
+    """The step's checkpoint (atomic, `save_checkpoint`: the prepared `model`, optimizer, scheduler, RNG, the
+    script's `state` and `extra_saves`; --save_total_limit kept, never deleting `keep`), then, with --push_to_hub, its
     upload in the background with the recipe, the last metrics and the model card's `base_model`, `script` and
     `card` extras. Returns the checkpoint's path."""
     path = save_checkpoint(accelerator, cfg.output_dir, step, model=model, processor=processor, extra_state=state,
-                           save_total_limit=cfg.save_total_limit, extra_saves=extra_saves)
+                           save_total_limit=cfg.save_total_limit, extra_saves=extra_saves, keep=keep)
     if uploader:
         uploader.push(path, recipe=config_to_dict(cfg), metrics=logger.last_metrics, base_model=base_model,
                       script=script, **card)

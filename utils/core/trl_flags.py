@@ -39,8 +39,8 @@ def _inert(reason):
 
 
 _NO_DATALOADER = "rows are drawn by the script's own checkpointed sampler, not a DataLoader"
-_NO_EVAL_LOOP = ("held-out evaluation runs before and after training (--eval_dataset_name, --eval_before); "
-                 "evaluate.py scores any checkpoint")
+_NO_EVAL_LOOP = ("held-out evaluation runs before and after training (--eval_dataset_name, --eval_before), "
+                 "validation at every checkpoint (--val_split); evaluate.py scores any checkpoint")
 _LAUNCHER = "the launcher's accelerate config sets it (accelerate_configs/, --config_file)"
 _HUB = "checkpoints are pushed by --push_to_hub to --hub_model_id"
 
@@ -108,9 +108,7 @@ TRL_ONLY_FLAGS = {
     "include_for_metrics": _no(_NO_EVAL_LOOP, [], None),
     "batch_eval_metrics": _no(_NO_EVAL_LOOP, False),
     "num_generations_eval": _no("held-out evaluation draws one greedy answer per question", None),
-    "load_best_model_at_end": _no("evaluate.py --select_best picks a checkpoint after training", False),
-    "metric_for_best_model": _no("evaluate.py --select_best picks a checkpoint after training", None),
-    "greater_is_better": _no("evaluate.py --select_best picks a checkpoint after training", None),
+    "greater_is_better": _no("the validation metrics of --metric_for_best_model are all higher-is-better", None, True),
     # checkpoints and the hub
     "save_strategy": _no("a checkpoint is written every --save_steps optimizer steps and at the end (resume needs "
                          "them)", "steps"),

@@ -9,6 +9,7 @@ counter-based seed (utils.core.seeds), so results never depend on batch size or 
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -171,6 +172,18 @@ def load_eval_set(cfg, accelerator):
                            choices_column=cfg.choices_column, video_column=getattr(cfg, "video_column", "video"))
 
 
+def load_val_set(cfg, accelerator):
+    """The validation rows of train_grpo.py's --val_split (scored at each checkpoint, --load_best_model_at_end):
+    that split of --eval_dataset_name, or else of --dataset_name (read as --dataset_test_split would be), columns
+    mapped as the held-out rows'; None without --val_split."""
+    if not cfg.val_split:
+        return None
+    view = copy.copy(cfg)  # the held-out loader, pointed at the validation split
+    view.eval_split = view.dataset_test_split = cfg.val_split
+    view.eval_samples = cfg.val_samples
+    return load_eval_set(view, accelerator)
+
+
 def load_graded_set(path, *, split, prompt_column, answer_column="answer", **columns):
     """A held-out set whose answers are graded: TRL's prompt column or the VQA columns
     (utils.core.conversations.load_prompt_set), the answer as column 'answer' either way."""
@@ -188,8 +201,9 @@ def load_graded_set(path, *, split, prompt_column, answer_column="answer", **col
     return data
 
 
-def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template, tools=None):
-    """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes."""
+def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_template, tools=None, max_samples=None):
+    """Greedy held-out accuracy of a train script's (wrapped, possibly sharded) policy, on all processes: the first
+    `max_samples` rows (none: --eval_samples)."""
     from utils.core.video import budget_from_config
     from utils.core.zero3 import unwrap_for_generation
 
@@ -197,7 +211,8 @@ def evaluate_policy(policy, processor, eval_set, cfg, accelerator, *, prompt_tem
     with unwrap_for_generation(policy, accelerator) as unwrapped:
         return heldout_accuracy(unwrapped.model, processor, eval_set, prompt_template=prompt_template,
                                 system_prompt=cfg.system_prompt, batch_size=cfg.eval_batch_size,
-                                max_new_tokens=cfg.eval_max_new_tokens, max_samples=cfg.eval_samples,
+                                max_new_tokens=cfg.eval_max_new_tokens,
+                                max_samples=max_samples if max_samples is not None else cfg.eval_samples,
                                 accelerator=accelerator, video_budget=budget,
                                 prompt_column=getattr(cfg, "prompt_column", None), tools=tools)
 
