@@ -715,11 +715,13 @@ def main(cfg: GRPOConfig):
             logger.log(global_step, {f"heldout_{k}": v for k, v in result.items()})
         return result
 
-    def validation():  # greedy scores on --val_split, logged as val_<key> at this step
+    def validate_checkpoint(best):  # --val_split: greedy scores logged as val_<key> at this step; the best so far
+        if val_set is None:
+            return best
         result = evaluate_policy(policy, processor, val_set, cfg, accelerator, prompt_template=cfg.prompt_template,
                                  tools=tools, max_samples=cfg.val_samples or len(val_set))
         logger.log(global_step, {f"val_{k}": v for k, v in result.items()})
-        return result
+        return better_checkpoint(best, result, cfg, global_step, accelerator.print)
 
     heldout_before = evaluate_before(
         accelerator, evaluate if eval_set is not None else None, state, cfg, global_step,
@@ -769,8 +771,7 @@ def main(cfg: GRPOConfig):
                          learning_rate=scheduler.get_last_lr()[0], step_time=time.perf_counter() - round_start,
                          timings=timings, skipped_steps=guard.skipped_steps)
             if is_due(global_step, cfg.save_steps, max_steps):
-                if val_set is not None:  # scored before the checkpoint is written, which records the best so far
-                    best = better_checkpoint(best, validation(), cfg, global_step, accelerator.print)
+                best = validate_checkpoint(best)  # before the checkpoint is written, which records the best so far
                 inside = position + 1 < mu * steps_per_pass  # the round goes on after this step
                 state = dict(global_step=global_step, round_index=round_index + (not inside),
                              sampler=sampler.state_dict(), stage=sampler.names[sampler.stage(global_step - 1)],
