@@ -112,15 +112,14 @@ def _json_safe(value):
     return value
 
 
-def prune_checkpoints(output_dir: str | os.PathLike, save_total_limit: int, keep=None):
-    """Delete the oldest complete checkpoints so at most `save_total_limit` remain; never deletes `keep` (a path, or
-    several: the newest, and with train_grpo's --load_best_model_at_end the best so far, which HF's Trainer keeps
-    beside the limit too)."""
+def prune_checkpoints(output_dir: str | os.PathLike, save_total_limit: int, keep=()):
+    """Delete the oldest complete checkpoints so at most `save_total_limit` remain; never deletes the paths in `keep`
+    (the newest, and with train_grpo's --load_best_model_at_end the best so far, which HF's Trainer keeps beside the
+    limit too)."""
     if save_total_limit < 1:
         raise ValueError(f"save_total_limit must be >= 1 or None, got {save_total_limit}")
     checkpoints = list_checkpoints(output_dir)
-    kept = [keep] if isinstance(keep, (str, os.PathLike)) else list(keep or ())
-    keep_paths = {Path(p).resolve() for p in kept}
+    keep_paths = {Path(p).resolve() for p in keep}
     removable = [p for p in checkpoints if p.resolve() not in keep_paths]
     excess = len(checkpoints) - save_total_limit
     for path in removable[: max(excess, 0)]:
@@ -154,7 +153,7 @@ def save_checkpoint(accelerator, output_dir, step: int, *, model, processor=None
     """Save a resumable + HF-loadable checkpoint. Call on every rank (DeepSpeed's save and ZeRO-3's gather are
     collective). `extra_saves` ({subfolder: fn(folder)}, run on the main process) adds other loadable parts, e.g.
     a second model's adapter, inside the same atomic folder. `keep`: checkpoints --save_total_limit never deletes
-(besides this one). Returns the path of `checkpoint-{step}`.
+    (besides this one). Returns the path of `checkpoint-{step}`.
 
     Refused (NonFiniteWeightsError on every rank, nothing written) when a weight is NaN or infinite. Every file is
     flushed to disk (fsync) before the rename, and `training_state/manifest.json` records the sha256 of each
